@@ -1,0 +1,205 @@
+"""Self-describing block records for the disk and remote tiers.
+
+Wire layout (little-endian)::
+
+    magic "KVTR" | u8 version | u8 flags | u32 header_len | u64 xxh3(header || payload)
+    header (msgpack map, header_len bytes) | zero padding to a 64-byte boundary | payload
+
+The header holds the block identity (key, scope domain, layout fingerprint, parent, index,
+dtype, shape), the payload length, the encryption envelope (key id + nonce) when sealed, and
+the creation time. Readers verify magic, version, lengths, checksum and identity before use;
+when sealed, the AES-GCM tag additionally authenticates the payload under an AAD made of the
+identity fields, so a record copied under another key, tenant or layout fails to open.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from kvtier.block import Block, BlockMeta
+from kvtier.errors import CorruptRecord, LayoutMismatch, UnsupportedFormat
+from kvtier.keys import DOMAIN_BYTES, KEY_BYTES, BlockKey, ScopeDomain
+from kvtier.layout import DTYPES, LayoutFingerprint
+
+MAGIC = b"KVTR"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sBBIQ")
+PREFIX_BYTES = _PREFIX.size
+ALIGN = 64
+MAX_HEADER_BYTES = 4096
+FLAG_SEALED = 0x01
+
+
+class Sealer(Protocol):
+    """Authenticated encryption of payloads, per scope domain (implemented in kvtier.crypto)."""
+
+    def seal(self, domain: ScopeDomain, aad: bytes, plaintext: memoryview) -> tuple[dict[str, Any], bytes]:
+        """Encrypt; returns the envelope to keep in the header and ciphertext||tag."""
+        ...
+
+    def open_into(
+        self, domain: ScopeDomain, envelope: dict[str, Any], aad: bytes, sealed: memoryview, out: memoryview
+    ) -> None:
+        """Decrypt into ``out``; raises CorruptRecord when the tag does not verify."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class RecordHeader:
+    meta: BlockMeta
+    payload_len: int
+    payload_offset: int
+    envelope: dict[str, Any] | None
+    created_at: float
+
+
+def _aad(meta: BlockMeta) -> bytes:
+    return msgpack.packb(
+        [FORMAT_VERSION, meta.key, meta.domain, meta.layout_fp, meta.parent, meta.index, meta.dtype, list(meta.shape)]
+    )
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGN
+
+
+def encode(block: Block, sealer: Sealer | None = None) -> bytes | bytearray:
+    """One whole record as bytes (payload copied exactly once into the result)."""
+    meta = block.meta
+    plain = block.as_bytes_view()
+    envelope = None
+    body: bytes | memoryview = plain
+    if sealer is not None:
+        envelope, body = sealer.seal(meta.domain, _aad(meta), plain)
+    header = msgpack.packb(
+        {
+            "k": meta.key,
+            "d": meta.domain,
+            "l": meta.layout_fp,
+            "p": meta.parent,
+            "i": meta.index,
+            "t": meta.dtype,
+            "s": list(meta.shape),
+            "n": len(body),
+            "e": envelope,
+            "c": time.time(),
+        }
+    )
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError("record header too large")
+    h = xxhash.xxh3_64(header)
+    h.update(body)
+    flags = FLAG_SEALED if envelope is not None else 0
+    pad = _pad(PREFIX_BYTES + len(header))
+    out = bytearray(PREFIX_BYTES + len(header) + pad + len(body))
+    _PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, flags, len(header), h.intdigest())
+    out[PREFIX_BYTES : PREFIX_BYTES + len(header)] = header
+    out[PREFIX_BYTES + len(header) + pad :] = body
+    return bytes(out) if sealer is not None else out  # bytearray is fine for LMDB/S3 and saves a copy
+
+
+def _field(h: dict[str, Any], name: str, typ: type | tuple[type, ...]) -> Any:
+    v = h.get(name)
+    if not isinstance(v, typ):
+        raise CorruptRecord(f"record header field {name!r} missing or of the wrong type")
+    return v
+
+
+def parse_header(buf: memoryview | bytes) -> RecordHeader:
+    """Parse and sanity-check the prefix and header; the payload is not touched yet."""
+    mv = memoryview(buf)
+    if len(mv) < PREFIX_BYTES:
+        raise CorruptRecord("record shorter than its fixed prefix")
+    magic, version, flags, hlen, _ = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise CorruptRecord("bad record magic")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormat(f"record format version {version} is not readable by version {FORMAT_VERSION}")
+    if hlen > MAX_HEADER_BYTES or PREFIX_BYTES + hlen > len(mv):
+        raise CorruptRecord("record header length out of range")
+    try:
+        h = msgpack.unpackb(mv[PREFIX_BYTES : PREFIX_BYTES + hlen], raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise CorruptRecord(f"record header is not valid msgpack: {exc}") from None
+    if not isinstance(h, dict):
+        raise CorruptRecord("record header is not a map")
+    key = _field(h, "k", bytes)
+    dom = _field(h, "d", bytes)
+    lfp = _field(h, "l", bytes)
+    parent = h.get("p")
+    if len(key) != KEY_BYTES or len(dom) != DOMAIN_BYTES or len(lfp) != 32:
+        raise CorruptRecord("record identity fields have the wrong width")
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+        raise CorruptRecord("record parent field malformed")
+    index = _field(h, "i", int)
+    dtype = _field(h, "t", str)
+    shape = _field(h, "s", list)
+    n = _field(h, "n", int)
+    env = h.get("e")
+    created = _field(h, "c", (float, int))
+    if dtype not in DTYPES or not all(isinstance(d, int) and d > 0 for d in shape) or index < 0:
+        raise CorruptRecord("record dtype/shape/index malformed")
+    if bool(flags & FLAG_SEALED) != (env is not None) or (env is not None and not isinstance(env, dict)):
+        raise CorruptRecord("record sealed flag disagrees with its envelope")
+    meta = BlockMeta(BlockKey(key), ScopeDomain(dom), LayoutFingerprint(lfp), parent, index, dtype, tuple(shape))
+    offset = PREFIX_BYTES + hlen + _pad(PREFIX_BYTES + hlen)
+    if offset + n != len(mv):
+        raise CorruptRecord(f"record length {len(mv)} != header's {offset + n} (truncated or padded)")
+    expected_body = meta.nbytes + (16 if env is not None else 0)
+    if n != expected_body:
+        raise CorruptRecord("record payload length disagrees with its dtype and shape")
+    return RecordHeader(meta, n, offset, env, float(created))
+
+
+def decode(
+    buf: memoryview | bytes,
+    *,
+    expect_key: BlockKey | None = None,
+    expect_layout: LayoutFingerprint | None = None,
+    sealer: Sealer | None = None,
+    out: torch.Tensor | None = None,
+) -> Block:
+    """Verify a whole record and return its block; the payload is copied once, into ``out``.
+
+    Raises CorruptRecord (or its subclass UnsupportedFormat) for anything that does not verify
+    and LayoutMismatch when the record is well-formed but belongs to another layout.
+    """
+    mv = memoryview(buf)
+    hdr = parse_header(mv)
+    meta = hdr.meta
+    if expect_key is not None and meta.key != expect_key:
+        raise CorruptRecord("record key differs from the key it was stored under")
+    if expect_layout is not None and meta.layout_fp != expect_layout:
+        raise LayoutMismatch("record belongs to another KV layout")
+    hlen = _PREFIX.unpack_from(mv, 0)[3]
+    h = xxhash.xxh3_64(mv[PREFIX_BYTES : PREFIX_BYTES + hlen])
+    body = mv[hdr.payload_offset :]
+    h.update(body)
+    if h.intdigest() != _PREFIX.unpack_from(mv, 0)[4]:
+        raise CorruptRecord("record checksum mismatch")
+    torch_dtype = DTYPES[meta.dtype][0]
+    if out is None:
+        out = torch.empty(meta.shape, dtype=torch_dtype)
+    elif out.dtype != torch_dtype or tuple(out.shape) != meta.shape or not out.is_contiguous():
+        raise LayoutMismatch("destination tensor does not match the record's dtype/shape")
+    dst = memoryview(out.view(torch.uint8).reshape(-1).numpy()).cast("B")
+    if hdr.envelope is not None:
+        if sealer is None:
+            raise CorruptRecord("record is encrypted but this tier has no key ring")
+        sealer.open_into(meta.domain, hdr.envelope, _aad(meta), body, dst)
+    else:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(body, dtype=np.uint8))
+    return Block(meta, out)
+
+
+def peek_meta(buf: memoryview | bytes) -> RecordHeader:
+    """Header only (no checksum): used to rebuild indexes on open; data is verified on read."""
+    return parse_header(buf)

@@ -1,0 +1,41 @@
+"""Named failures. Expected outcomes (miss, partial hit, no room) are return values, not these."""
+
+
+class KvtierError(Exception):
+    """Base of every failure kvtier raises on purpose."""
+
+
+class LayoutMismatch(KvtierError):
+    """A block's layout fingerprint, dtype or shape does not match the layout it is used with."""
+
+
+class BlockSizeError(LayoutMismatch):
+    """A block's byte size is not the layout's bytes_per_block."""
+
+
+class CorruptRecord(KvtierError):
+    """A stored record failed verification (magic, length, checksum/tag, header fields)."""
+
+
+class UnsupportedFormat(CorruptRecord):
+    """A record written by a format version this reader does not understand."""
+
+
+class ScopeError(KvtierError):
+    """A malformed scope string or a request that mixes incompatible scopes."""
+
+
+class AccessDenied(KvtierError):
+    """The policy refused this principal the operation on this scope."""
+
+
+class AuthError(AccessDenied):
+    """A credential is missing, forged, tampered with or expired."""
+
+
+class TierUnavailable(KvtierError):
+    """A tier's backing service cannot be reached (S3 down, daemon unreachable)."""
+
+
+class ConfigError(KvtierError):
+    """Invalid configuration; the message names the offending field."""

@@ -1,0 +1,184 @@
+"""Block keys and scopes: isolation is part of the key.
+
+``block_key[i] = sha256(block_key[i-1] || scope_domain[i] || tokens[i])`` with the root seeded
+by the layout fingerprint. Tokens are encoded as fixed-width little-endian uint32, so keys are
+identical across processes, machines and Python versions (no builtin ``hash()``, no pickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NewType
+
+import numpy as np
+
+from kvtier.errors import ScopeError
+from kvtier.layout import KVLayout
+
+BlockKey = NewType("BlockKey", bytes)
+"""32-byte chained content hash of a block (and, through the chain, of everything before it)."""
+
+ScopeDomain = NewType("ScopeDomain", bytes)
+"""16-byte opaque id of a scope: HMAC(server secret, scope). Reveals no tenant name."""
+
+KEY_BYTES = 32
+DOMAIN_BYTES = 16
+
+
+class ScopeKind(IntEnum):
+    """Ordered by restrictiveness: a larger value is more private."""
+
+    PUBLIC = 0
+    ORG = 1
+    USER = 2
+    SESSION = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Who may reuse a segment's KV: ``public``, ``org:<id>``, ``user:<id>``, ``session:<id>``."""
+
+    kind: ScopeKind
+    ident: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.kind is ScopeKind.PUBLIC) != (self.ident == ""):
+            raise ScopeError("public scope has no id; every other scope needs one")
+        if ":" in self.ident or any(c.isspace() for c in self.ident):
+            raise ScopeError(f"scope id {self.ident!r} may not contain ':' or whitespace")
+
+    @classmethod
+    def parse(cls, text: str) -> Scope:
+        if text == "public":
+            return PUBLIC
+        kind, sep, ident = text.partition(":")
+        if not sep or not ident:
+            raise ScopeError(f"malformed scope {text!r}: expected public, org:<id>, user:<id> or session:<id>")
+        try:
+            return cls(ScopeKind[kind.upper()], ident)
+        except KeyError:
+            raise ScopeError(f"unknown scope kind {kind!r} in {text!r}") from None
+
+    @classmethod
+    def public(cls) -> Scope:
+        return PUBLIC
+
+    @classmethod
+    def org(cls, ident: str) -> Scope:
+        return cls(ScopeKind.ORG, ident)
+
+    @classmethod
+    def user(cls, ident: str) -> Scope:
+        return cls(ScopeKind.USER, ident)
+
+    @classmethod
+    def session(cls, ident: str) -> Scope:
+        return cls(ScopeKind.SESSION, ident)
+
+    def __str__(self) -> str:
+        return "public" if self.kind is ScopeKind.PUBLIC else f"{self.kind.name.lower()}:{self.ident}"
+
+
+PUBLIC = Scope(ScopeKind.PUBLIC)
+
+
+def narrower(a: Scope, b: Scope) -> Scope:
+    """The more restrictive of two scopes; two different scopes of one kind cannot be combined."""
+    if a.kind != b.kind:
+        return a if a.kind > b.kind else b
+    if a != b:
+        raise ScopeError(f"a request cannot mix {a} and {b}: neither contains the other")
+    return a
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of tokens that share one scope (e.g. a public manual, a user's private history)."""
+
+    tokens: Sequence[int]
+    scope: Scope = PUBLIC
+
+
+class DomainDeriver:
+    """Maps scopes to opaque scope-domain ids with a server secret (HMAC-SHA256, truncated).
+
+    The secret is deployment key material: identical on every node sharing a remote tier and
+    stable across restarts, or nothing stored earlier is ever found again.
+    """
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("server secret must be at least 16 bytes")
+        self._secret = bytes(secret)
+
+    def domain(self, scope: Scope) -> ScopeDomain:
+        mac = hmac.new(self._secret, b"kvtier-scope-v1\x00" + str(scope).encode(), hashlib.sha256)
+        return ScopeDomain(mac.digest()[:DOMAIN_BYTES])
+
+    def __repr__(self) -> str:  # never print the secret
+        return "DomainDeriver(<secret>)"
+
+
+@dataclass(frozen=True, slots=True)
+class ChainBlock:
+    """One full block of a request's key chain."""
+
+    index: int
+    key: BlockKey
+    parent: BlockKey | None
+    scope: Scope
+    domain: ScopeDomain
+    start_token: int
+
+
+def root_key(layout: KVLayout) -> BlockKey:
+    return BlockKey(hashlib.sha256(b"kvtier-root-v1\x00" + layout.fingerprint).digest())
+
+
+def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4").tobytes()
+
+
+def chain_step(parent: BlockKey, domain: ScopeDomain, token_bytes: bytes) -> BlockKey:
+    h = hashlib.sha256(parent)
+    h.update(domain)
+    h.update(token_bytes)
+    return BlockKey(h.digest())
+
+
+def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDeriver) -> list[ChainBlock]:
+    """Chained keys of every *full* block of a request; a partial last block is not cached.
+
+    The scope of block i is the most restrictive scope of any token in blocks 0..i.
+    """
+    tokens: list[int] = []
+    token_scope: list[Scope] = []
+    for seg in segments:
+        tokens.extend(int(t) for t in seg.tokens)
+        token_scope.extend([seg.scope] * len(seg.tokens))
+    bt = layout.block_tokens
+    out: list[ChainBlock] = []
+    prev = root_key(layout)
+    parent: BlockKey | None = None
+    scope = PUBLIC
+    domains: dict[Scope, ScopeDomain] = {}
+    enc = encode_tokens(tokens)
+    for i in range(len(tokens) // bt):
+        for s in set(token_scope[i * bt : (i + 1) * bt]):
+            scope = narrower(scope, s)
+        dom = domains.get(scope)
+        if dom is None:
+            dom = domains[scope] = deriver.domain(scope)
+        key = chain_step(prev, dom, enc[i * bt * 4 : (i + 1) * bt * 4])
+        out.append(ChainBlock(i, key, parent, scope, dom, i * bt))
+        prev = parent = key
+    return out

@@ -1,0 +1,116 @@
+"""The Tier contract: one small, batch-first interface that every storage tier implements."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from kvtier.block import Block
+from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.metrics import TierMetrics
+
+
+@dataclass(slots=True)
+class PutResult:
+    """What a put did. ``evicted`` carries the blocks pushed out to make room (for spilling down)."""
+
+    stored: list[BlockKey] = field(default_factory=list)
+    present: list[BlockKey] = field(default_factory=list)
+    rejected: list[BlockKey] = field(default_factory=list)
+    evicted: list[Block] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class TierUsage:
+    blocks: int
+    bytes: int
+    capacity_bytes: int | None
+    by_domain: dict[ScopeDomain, int]
+
+
+class PinTable:
+    """Reference-counted pins shared by the tiers of one store.
+
+    A key is pinned while any in-flight load or store holds it; tiers never evict pinned keys.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: Counter[BlockKey] = Counter()
+
+    @contextmanager
+    def hold(self, keys: Sequence[BlockKey]) -> Iterator[None]:
+        with self._lock:
+            self._count.update(keys)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count.subtract(keys)
+                for k in keys:
+                    if self._count[k] <= 0:
+                        del self._count[k]
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        return self._count.get(key, 0) > 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._count)
+
+
+class Tier(ABC):
+    """A storage tier. All calls are batch-first and thread-safe.
+
+    Contract (checked by tests/contract/test_tier_contract.py for every tier):
+    - ``contains(keys)`` returns the length of the longest prefix of ``keys`` that is present.
+    - ``get(keys)`` returns a list aligned with ``keys``: the verified block, or None for a miss.
+      A record that fails verification is a miss, is removed, and is counted as an error.
+    - ``put(blocks)`` stores what fits, evicting unpinned entries by the tier's policy; a key
+      already present is left as it is (keys are content hashes). It never raises for lack of room.
+    - ``delete(keys)`` / ``delete_scope(domain)`` return how many entries were removed.
+    - Payloads are copied in and out: callers never alias a tier's storage.
+    """
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.metrics = TierMetrics(self.name)
+        self.pins = PinTable()
+        #: Whether put() should return evicted blocks with their data (set by a store that spills).
+        self.spill_evicted = False
+
+    @abstractmethod
+    def contains(self, keys: Sequence[BlockKey]) -> int: ...
+
+    @abstractmethod
+    def get(self, keys: Sequence[BlockKey]) -> list[Block | None]: ...
+
+    @abstractmethod
+    def put(self, blocks: Sequence[Block]) -> PutResult: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> int: ...
+
+    @abstractmethod
+    def delete_scope(self, domain: ScopeDomain) -> int: ...
+
+    @abstractmethod
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
+        """Every key stored under ``domain`` (for purge verification and listing)."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the tier is unusable afterwards."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Storage tiers. Each module implements kvtier.tier.Tier for one kind of storage."""

@@ -1,0 +1,276 @@
+"""Local-disk tier on LMDB: crash-safe (one transaction per batch), restart-safe, byte-bounded."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import lmdb
+
+from kvtier import codec
+from kvtier.block import Block
+from kvtier.codec import Sealer
+from kvtier.errors import CorruptRecord, LayoutMismatch
+from kvtier.eviction import EntryInfo, make_policy
+from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
+from kvtier.tier import PutResult, Tier, TierUsage
+
+_MIN_MAP = 64 << 20
+
+
+class LmdbTier(Tier):
+    """Blocks as self-describing records in an LMDB environment.
+
+    Sub-databases: ``rec`` (key -> record) and ``dom`` (domain || key -> empty), written in the
+    same transaction, so the domain index is exactly the set of records. A batch put (with the
+    evictions that make room for it) is one transaction: after a crash every record is whole or
+    absent. The in-memory index (``_index``: key -> (domain, bytes)) and the eviction policy are
+    rebuilt from record headers on open and mutated only under ``_lock`` after a commit.
+    The map starts small and doubles on MapFullError; ``capacity_bytes`` bounds stored record bytes.
+    """
+
+    name = "lmdb"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        policy: str = "lru",
+        sealer: Sealer | None = None,
+        sync: bool = True,
+    ) -> None:
+        super().__init__()
+        if capacity_bytes <= 0:
+            raise ValueError("LmdbTier capacity_bytes must be positive")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.sealer = sealer
+        self.policy = make_policy(policy)
+        self._lock = threading.RLock()
+        data = self.path / "data.mdb"
+        start = max(_MIN_MAP, data.stat().st_size if data.exists() else 0)
+        self.env = lmdb.open(
+            str(self.path), map_size=start, max_dbs=8, sync=sync, metasync=sync, readahead=False,
+            max_readers=256, lock=True,
+        )
+        self._rec = self.env.open_db(b"rec")
+        self._dom = self.env.open_db(b"dom")
+        self._index: dict[BlockKey, tuple[ScopeDomain, int]] = {}
+        self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
+        self._used = 0
+        self._rebuild()
+
+    # -- open -------------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Rebuild the index from record headers; a record whose header does not parse is removed."""
+        entries = []
+        bad: list[bytes] = []
+        with self.env.begin(db=self._rec, buffers=True) as txn:
+            for k, v in txn.cursor():
+                try:
+                    hdr = codec.peek_meta(v)
+                except CorruptRecord:
+                    bad.append(bytes(k))
+                    continue
+                entries.append((hdr.created_at, hdr.meta, len(v)))
+        if bad:
+            self._delete_txn(bad)
+            self.metrics.error("corrupt", len(bad))
+        for _, meta, size in sorted(entries, key=lambda e: e[0]):
+            self._index_add(meta.key, meta.domain, size)
+            self.policy.insert(EntryInfo(meta.key, meta.parent, meta.index, size))
+
+    # -- contract ---------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            for i, k in enumerate(keys):
+                if k not in self._index:
+                    return i
+            return len(keys)
+
+    def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
+        t0 = time.perf_counter()
+        out: list[Block | None] = []
+        corrupt: list[bytes] = []
+        nbytes = 0
+        with self._lock, self.env.begin(db=self._rec, buffers=True) as txn:
+            for k in keys:
+                v = txn.get(k)
+                if v is None:
+                    out.append(None)
+                    continue
+                try:
+                    blk = codec.decode(v, expect_key=k, sealer=self.sealer)
+                except (CorruptRecord, LayoutMismatch):
+                    corrupt.append(bytes(k))
+                    out.append(None)
+                    continue
+                self.policy.touch(k)
+                nbytes += blk.nbytes
+                out.append(blk)
+        if corrupt:
+            self._quarantine(corrupt)
+        hits = sum(b is not None for b in out)
+        self.metrics.hit(hits, nbytes)
+        self.metrics.miss(len(keys) - hits)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return out
+
+    def put(self, blocks: Sequence[Block]) -> PutResult:
+        t0 = time.perf_counter()
+        res = PutResult()
+        with self._lock:
+            todo = []
+            for b in blocks:
+                if b.key in self._index:
+                    self.policy.touch(b.key)
+                    res.present.append(b.key)
+                else:
+                    todo.append(b)
+        if not todo:
+            return res
+        # Encoding (and encryption) happens outside the lock; only the transaction is serialised.
+        records = [(b, codec.encode(b, self.sealer)) for b in todo]
+        with self._lock:
+            batch = {b.key for b in todo}
+            added: list[tuple[Block, int]] = []
+            victims: list[BlockKey] = []
+            planned = self._used
+            for b, rec in records:
+                if b.key in self._index:
+                    res.present.append(b.key)
+                    continue
+                size = len(rec)
+                while planned + size > self.capacity_bytes:
+                    v = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
+                    if v is None:
+                        break
+                    victims.append(v)
+                    planned -= self._index[v][1]
+                if planned + size > self.capacity_bytes:
+                    res.rejected.append(b.key)
+                    continue
+                planned += size
+                added.append((b, size))
+            spilled = self._commit(records, {b.key for b, _ in added}, victims)
+            for v in victims:
+                self._index_drop(v)
+            for b, size in added:
+                self._index_add(b.key, b.meta.domain, size)
+                self.policy.insert(EntryInfo(b.key, b.meta.parent, b.meta.index, size))
+                res.stored.append(b.key)
+            res.evicted = spilled
+        self.metrics.evicted(len(victims))
+        self.metrics.stored(len(res.stored), sum(b.nbytes for b, _ in added))
+        self.metrics.observe("put", time.perf_counter() - t0)
+        return res
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            present = list(dict.fromkeys(k for k in keys if k in self._index))
+            if present:
+                self._delete_txn(present)
+                for k in present:
+                    self.policy.remove(k)
+                    self._index_drop(k)
+            return len(present)
+
+    def delete_scope(self, domain: ScopeDomain) -> int:
+        with self._lock:
+            return self.delete(self.keys_in_scope(domain))
+
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
+        """Read from the on-disk domain index, not the cache: what a restart would find."""
+        keys = []
+        with self.env.begin(db=self._dom) as txn:
+            cur = txn.cursor()
+            if cur.set_range(domain):
+                for k in cur.iternext(values=False):
+                    if k[:DOMAIN_BYTES] != domain:
+                        break
+                    keys.append(BlockKey(k[DOMAIN_BYTES:]))
+        return keys
+
+    def record_count(self) -> int:
+        with self.env.begin(db=self._rec) as txn:
+            return txn.stat(self._rec)["entries"]
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._index), self._used, self.capacity_bytes, dict(self._domain_bytes))
+
+    def close(self) -> None:
+        with self._lock:
+            self.env.close()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _commit(self, records: list, keep: set[BlockKey], victims: list[BlockKey]) -> list[Block]:
+        """One write transaction: evict victims, then write the kept records. Grows the map on demand."""
+        while True:
+            spilled: list[Block] = []
+            try:
+                with self.env.begin(write=True) as txn:
+                    for v in victims:
+                        if self.spill_evicted:
+                            raw = txn.get(v, db=self._rec)
+                            if raw is not None:
+                                try:
+                                    spilled.append(codec.decode(raw, expect_key=v, sealer=self.sealer))
+                                except (CorruptRecord, LayoutMismatch):
+                                    self.metrics.error("corrupt")
+                        txn.delete(v, db=self._rec)
+                        txn.delete(self._index[v][0] + v, db=self._dom)
+                    for b, rec in records:
+                        if b.key in keep:
+                            txn.put(b.key, rec, db=self._rec)
+                            txn.put(b.meta.domain + b.key, b"", db=self._dom)
+                return spilled
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def _delete_txn(self, keys: Sequence[bytes]) -> None:
+        with self.env.begin(write=True) as txn:
+            for k in keys:
+                raw = txn.get(k, db=self._rec)
+                dom = self._index[BlockKey(k)][0] if k in self._index else None
+                if dom is None and raw is not None:
+                    try:
+                        dom = codec.peek_meta(raw).meta.domain
+                    except CorruptRecord:
+                        dom = None
+                txn.delete(k, db=self._rec)
+                if dom is not None:
+                    txn.delete(dom + k, db=self._dom)
+                else:
+                    # A record too damaged to name its domain: sweep the domain index for its key.
+                    cur = txn.cursor(db=self._dom)
+                    stale = [dk for dk in cur.iternext(values=False) if dk[DOMAIN_BYTES:] == k]
+                    for dk in stale:
+                        txn.delete(dk, db=self._dom)
+
+    def _quarantine(self, keys: list[bytes]) -> None:
+        self.metrics.error("corrupt", len(keys))
+        with self._lock:
+            self._delete_txn(keys)
+            for k in keys:
+                if k in self._index:
+                    self.policy.remove(BlockKey(k))
+                    self._index_drop(BlockKey(k))
+
+    def _index_add(self, key: BlockKey, domain: ScopeDomain, size: int) -> None:
+        self._index[key] = (domain, size)
+        self._domain_bytes[domain] += size
+        self._used += size
+
+    def _index_drop(self, key: BlockKey) -> None:
+        domain, size = self._index.pop(key)
+        self._used -= size
+        self._domain_bytes[domain] -= size
+        if self._domain_bytes[domain] <= 0:
+            del self._domain_bytes[domain]

@@ -1,0 +1,160 @@
+"""CPU RAM tier with a byte budget (pinned host memory when CUDA is present)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.block import Block, BlockMeta
+from kvtier.eviction import EntryInfo, make_policy
+from kvtier.hostmem import HostSlabPool
+from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.layout import DTYPES
+from kvtier.tier import PutResult, Tier, TierUsage
+
+
+class MemoryTier(Tier):
+    """Blocks in host RAM, bounded by ``capacity_bytes``.
+
+    Invariants (all under ``_lock``): ``_used`` is the sum of stored payload bytes and never
+    exceeds the capacity; ``_by_domain`` indexes exactly the keys in ``_blocks``; every stored
+    key is known to the eviction policy. Payloads live in slabs from the pool and are copied on
+    the way in and out, so an eviction never changes bytes a caller holds.
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int, *, policy: str = "lru", pool: HostSlabPool | None = None) -> None:
+        super().__init__()
+        if capacity_bytes <= 0:
+            raise ValueError("MemoryTier capacity_bytes must be positive")
+        self.capacity_bytes = capacity_bytes
+        self.policy = make_policy(policy)
+        self.pool = pool or HostSlabPool(max_free_bytes=min(capacity_bytes, 1 << 30))
+        self._blocks: dict[BlockKey, tuple[BlockMeta, torch.Tensor]] = {}
+        self._by_domain: dict[ScopeDomain, set[BlockKey]] = defaultdict(set)
+        self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
+        self._used = 0
+        self._lock = threading.RLock()
+
+    # -- contract -------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            for i, k in enumerate(keys):
+                if k not in self._blocks:
+                    return i
+            return len(keys)
+
+    def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
+        t0 = time.perf_counter()
+        out: list[Block | None] = []
+        hits = nbytes = 0
+        with self._lock:
+            for k in keys:
+                ent = self._blocks.get(k)
+                if ent is None:
+                    out.append(None)
+                    continue
+                meta, slab = ent
+                data = torch.empty(meta.shape, dtype=slab_dtype(meta))
+                data.view(torch.uint8).reshape(-1).copy_(slab)
+                self.policy.touch(k)
+                out.append(Block(meta, data))
+                hits += 1
+                nbytes += meta.nbytes
+        self.metrics.hit(hits, nbytes)
+        self.metrics.miss(len(keys) - hits)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return out
+
+    def put(self, blocks: Sequence[Block]) -> PutResult:
+        t0 = time.perf_counter()
+        res = PutResult()
+        stored_bytes = 0
+        batch = {b.key for b in blocks}
+        with self._lock:
+            for b in blocks:
+                if b.key in self._blocks:
+                    self.policy.touch(b.key)
+                    res.present.append(b.key)
+                    continue
+                n = b.nbytes
+                if not self._make_room(n, batch, res):
+                    res.rejected.append(b.key)
+                    continue
+                slab = self.pool.take(n)
+                slab.copy_(b.data.reshape(-1).view(torch.uint8))
+                self._blocks[b.key] = (b.meta, slab)
+                self._by_domain[b.meta.domain].add(b.key)
+                self._domain_bytes[b.meta.domain] += n
+                self._used += n
+                self.policy.insert(EntryInfo(b.key, b.meta.parent, b.meta.index, n))
+                res.stored.append(b.key)
+                stored_bytes += n
+        self.metrics.stored(len(res.stored), stored_bytes)
+        self.metrics.observe("put", time.perf_counter() - t0)
+        return res
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k in self._blocks:
+                    self.policy.remove(k)
+                    self.pool.release(self._drop(k)[1])
+                    n += 1
+        return n
+
+    def delete_scope(self, domain: ScopeDomain) -> int:
+        with self._lock:
+            return self.delete(list(self._by_domain.get(domain, ())))
+
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
+        with self._lock:
+            return list(self._by_domain.get(domain, ()))
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._blocks), self._used, self.capacity_bytes, dict(self._domain_bytes))
+
+    def close(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self._by_domain.clear()
+            self._domain_bytes.clear()
+            self._used = 0
+
+    # -- internals ------------------------------------------------------------------------------
+    def _drop(self, key: BlockKey) -> tuple[BlockMeta, torch.Tensor]:
+        meta, slab = self._blocks.pop(key)
+        keys = self._by_domain[meta.domain]
+        keys.discard(key)
+        self._domain_bytes[meta.domain] -= meta.nbytes
+        if not keys:
+            del self._by_domain[meta.domain]
+            del self._domain_bytes[meta.domain]
+        self._used -= meta.nbytes
+        return meta, slab
+
+    def _make_room(self, n: int, batch: set[BlockKey], res: PutResult) -> bool:
+        if n > self.capacity_bytes:
+            return False
+        while self._used + n > self.capacity_bytes:
+            victim = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
+            if victim is None:
+                return False
+            meta, slab = self._drop(victim)
+            self.metrics.evicted()
+            if self.spill_evicted:
+                res.evicted.append(Block(meta, slab.view(slab_dtype(meta)).reshape(meta.shape)))
+            else:
+                self.pool.release(slab)
+        return True
+
+
+def slab_dtype(meta: BlockMeta) -> torch.dtype:
+    return DTYPES[meta.dtype][0]
