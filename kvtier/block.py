@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import BlockSizeError, LayoutMismatch
-from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.keys import LAYOUT_TAG_BYTES, BlockKey, ScopeDomain, key_domain, key_layout_tag
 from kvtier.layout import DTYPES, KVLayout, LayoutFingerprint, dtype_name
 
 
@@ -53,6 +53,8 @@ class Block:
 
     def __post_init__(self) -> None:
         m = self.meta
+        if key_domain(m.key) != m.domain:
+            raise LayoutMismatch("block key's scope-domain prefix differs from its declared domain")
         if dtype_name(self.data.dtype) != m.dtype:
             raise LayoutMismatch(f"payload dtype {self.data.dtype} != declared {m.dtype}")
         if tuple(self.data.shape) != tuple(m.shape):
@@ -80,6 +82,8 @@ class Block:
         index: int = 0,
     ) -> Block:
         """Make a block for ``layout``, refusing payloads of the wrong dtype, shape or size."""
+        if key_layout_tag(key) != layout.fingerprint[:LAYOUT_TAG_BYTES]:
+            raise LayoutMismatch("key was derived for another KV layout")
         if data.dtype != layout.torch_dtype:
             raise LayoutMismatch(f"payload dtype {data.dtype} != layout dtype {layout.dtype}")
         if data.numel() * data.element_size() != layout.bytes_per_block:

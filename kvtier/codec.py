@@ -26,7 +26,7 @@ import xxhash
 
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import CorruptRecord, LayoutMismatch, UnsupportedFormat
-from kvtier.keys import DOMAIN_BYTES, KEY_BYTES, BlockKey, ScopeDomain
+from kvtier.keys import DOMAIN_BYTES, KEY_BYTES, LAYOUT_TAG_BYTES, BlockKey, ScopeDomain
 from kvtier.layout import DTYPES, LayoutFingerprint
 
 MAGIC = b"KVTR"
@@ -137,6 +137,8 @@ def parse_header(buf: memoryview | bytes) -> RecordHeader:
     parent = h.get("p")
     if len(key) != KEY_BYTES or len(dom) != DOMAIN_BYTES or len(lfp) != 32:
         raise CorruptRecord("record identity fields have the wrong width")
+    if key[:DOMAIN_BYTES] != dom or key[DOMAIN_BYTES : DOMAIN_BYTES + LAYOUT_TAG_BYTES] != lfp[:LAYOUT_TAG_BYTES]:
+        raise CorruptRecord("record key's routing prefix disagrees with its domain or layout")
     if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
         raise CorruptRecord("record parent field malformed")
     index = _field(h, "i", int)

@@ -20,13 +20,38 @@ from kvtier.errors import ScopeError
 from kvtier.layout import KVLayout
 
 BlockKey = NewType("BlockKey", bytes)
-"""32-byte chained content hash of a block (and, through the chain, of everything before it)."""
+"""56 bytes: ``scope domain (16) || layout tag (8) || chained sha256 digest (32)``.
+
+The digest identifies the block's content and, through the chain, everything before it. The
+routing prefix makes every key self-describing: a tier or server can tell a key's scope domain
+(to check access, to delete a scope by prefix) and layout (to name remote objects) without a
+side table, and two layouts or two scopes can never collide.
+"""
 
 ScopeDomain = NewType("ScopeDomain", bytes)
 """16-byte opaque id of a scope: HMAC(server secret, scope). Reveals no tenant name."""
 
-KEY_BYTES = 32
 DOMAIN_BYTES = 16
+LAYOUT_TAG_BYTES = 8
+DIGEST_BYTES = 32
+KEY_BYTES = DOMAIN_BYTES + LAYOUT_TAG_BYTES + DIGEST_BYTES
+
+
+def key_domain(key: BlockKey) -> ScopeDomain:
+    return ScopeDomain(key[:DOMAIN_BYTES])
+
+
+def key_layout_tag(key: BlockKey) -> bytes:
+    return key[DOMAIN_BYTES : DOMAIN_BYTES + LAYOUT_TAG_BYTES]
+
+
+def key_digest(key: BlockKey) -> bytes:
+    return key[DOMAIN_BYTES + LAYOUT_TAG_BYTES :]
+
+
+def make_key(domain: ScopeDomain, layout_tag: bytes, digest: bytes) -> BlockKey:
+    assert len(domain) == DOMAIN_BYTES and len(layout_tag) == LAYOUT_TAG_BYTES and len(digest) == DIGEST_BYTES
+    return BlockKey(domain + layout_tag + digest)
 
 
 class ScopeKind(IntEnum):
@@ -137,8 +162,8 @@ class ChainBlock:
     start_token: int
 
 
-def root_key(layout: KVLayout) -> BlockKey:
-    return BlockKey(hashlib.sha256(b"kvtier-root-v1\x00" + layout.fingerprint).digest())
+def root_digest(layout: KVLayout) -> bytes:
+    return hashlib.sha256(b"kvtier-root-v1\x00" + layout.fingerprint).digest()
 
 
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -148,11 +173,12 @@ def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4").tobytes()
 
 
-def chain_step(parent: BlockKey, domain: ScopeDomain, token_bytes: bytes) -> BlockKey:
-    h = hashlib.sha256(parent)
+def chain_step(parent_digest: bytes, domain: ScopeDomain, token_bytes: bytes) -> bytes:
+    """``sha256(parent digest || domain || tokens)``: the 256-bit chained hash of one block."""
+    h = hashlib.sha256(parent_digest)
     h.update(domain)
     h.update(token_bytes)
-    return BlockKey(h.digest())
+    return h.digest()
 
 
 def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDeriver) -> list[ChainBlock]:
@@ -167,7 +193,8 @@ def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDe
         token_scope.extend([seg.scope] * len(seg.tokens))
     bt = layout.block_tokens
     out: list[ChainBlock] = []
-    prev = root_key(layout)
+    prev = root_digest(layout)
+    tag = layout.fingerprint[:LAYOUT_TAG_BYTES]
     parent: BlockKey | None = None
     scope = PUBLIC
     domains: dict[Scope, ScopeDomain] = {}
@@ -178,7 +205,8 @@ def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDe
         dom = domains.get(scope)
         if dom is None:
             dom = domains[scope] = deriver.domain(scope)
-        key = chain_step(prev, dom, enc[i * bt * 4 : (i + 1) * bt * 4])
+        prev = chain_step(prev, dom, enc[i * bt * 4 : (i + 1) * bt * 4])
+        key = make_key(dom, tag, prev)
         out.append(ChainBlock(i, key, parent, scope, dom, i * bt))
-        prev = parent = key
+        parent = key
     return out

@@ -25,8 +25,8 @@ _MIN_MAP = 64 << 20
 class LmdbTier(Tier):
     """Blocks as self-describing records in an LMDB environment.
 
-    Sub-databases: ``rec`` (key -> record) and ``dom`` (domain || key -> empty), written in the
-    same transaction, so the domain index is exactly the set of records. A batch put (with the
+    One sub-database ``rec`` maps key -> record. Keys begin with their scope domain, so a scope
+    is a contiguous key range (listing and purge are range scans, no side index). A batch put (with the
     evictions that make room for it) is one transaction: after a crash every record is whole or
     absent. The in-memory index (``_index``: key -> (domain, bytes)) and the eviction policy are
     rebuilt from record headers on open and mutated only under ``_lock`` after a commit.
@@ -60,7 +60,6 @@ class LmdbTier(Tier):
             max_readers=256, lock=True,
         )
         self._rec = self.env.open_db(b"rec")
-        self._dom = self.env.open_db(b"dom")
         self._index: dict[BlockKey, tuple[ScopeDomain, int]] = {}
         self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
         self._used = 0
@@ -186,15 +185,15 @@ class LmdbTier(Tier):
             return self.delete(self.keys_in_scope(domain))
 
     def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
-        """Read from the on-disk domain index, not the cache: what a restart would find."""
+        """Read from disk, not the in-memory index: what a restart would find."""
         keys = []
-        with self.env.begin(db=self._dom) as txn:
+        with self.env.begin(db=self._rec) as txn:
             cur = txn.cursor()
             if cur.set_range(domain):
                 for k in cur.iternext(values=False):
                     if k[:DOMAIN_BYTES] != domain:
                         break
-                    keys.append(BlockKey(k[DOMAIN_BYTES:]))
+                    keys.append(BlockKey(k))
         return keys
 
     def record_count(self) -> int:
@@ -225,34 +224,17 @@ class LmdbTier(Tier):
                                 except (CorruptRecord, LayoutMismatch):
                                     self.metrics.error("corrupt")
                         txn.delete(v, db=self._rec)
-                        txn.delete(self._index[v][0] + v, db=self._dom)
                     for b, rec in records:
                         if b.key in keep:
                             txn.put(b.key, rec, db=self._rec)
-                            txn.put(b.meta.domain + b.key, b"", db=self._dom)
                 return spilled
             except lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
 
     def _delete_txn(self, keys: Sequence[bytes]) -> None:
-        with self.env.begin(write=True) as txn:
+        with self.env.begin(write=True, db=self._rec) as txn:
             for k in keys:
-                raw = txn.get(k, db=self._rec)
-                dom = self._index[BlockKey(k)][0] if k in self._index else None
-                if dom is None and raw is not None:
-                    try:
-                        dom = codec.peek_meta(raw).meta.domain
-                    except CorruptRecord:
-                        dom = None
-                txn.delete(k, db=self._rec)
-                if dom is not None:
-                    txn.delete(dom + k, db=self._dom)
-                else:
-                    # A record too damaged to name its domain: sweep the domain index for its key.
-                    cur = txn.cursor(db=self._dom)
-                    stale = [dk for dk in cur.iternext(values=False) if dk[DOMAIN_BYTES:] == k]
-                    for dk in stale:
-                        txn.delete(dk, db=self._dom)
+                txn.delete(k)
 
     def _quarantine(self, keys: list[bytes]) -> None:
         self.metrics.error("corrupt", len(keys))

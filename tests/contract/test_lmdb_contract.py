@@ -1,10 +1,9 @@
 import pytest
 
+from kvtier import codec
 from storage_backends.lmdb import LmdbTier
 from tests.contract.contract import TierContract
 from tests.helpers import SMALL, chain_blocks
-
-from kvtier import codec
 
 _OVERHEAD = len(codec.encode(chain_blocks(1)[0])) - SMALL.bytes_per_block
 
