@@ -2,7 +2,7 @@
 
 Wire layout (little-endian)::
 
-    magic "KVTR" | u8 version | u8 flags | u32 header_len | u64 xxh3(header || payload)
+    magic "KVTR" | u8 version | u8 flags | u32 header_len | u64 xxh3(everything after the prefix)
     header (msgpack map, header_len bytes) | zero padding to a 64-byte boundary | payload
 
 The header holds the block identity (key, scope domain, layout fingerprint, parent, index,
@@ -95,14 +95,13 @@ def encode(block: Block, sealer: Sealer | None = None) -> bytes | bytearray:
     )
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError("record header too large")
-    h = xxhash.xxh3_64(header)
-    h.update(body)
     flags = FLAG_SEALED if envelope is not None else 0
     pad = _pad(PREFIX_BYTES + len(header))
     out = bytearray(PREFIX_BYTES + len(header) + pad + len(body))
-    _PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, flags, len(header), h.intdigest())
     out[PREFIX_BYTES : PREFIX_BYTES + len(header)] = header
     out[PREFIX_BYTES + len(header) + pad :] = body
+    # The checksum covers everything after the prefix (header, padding, payload).
+    _PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, flags, len(header), xxhash.xxh3_64_intdigest(memoryview(out)[PREFIX_BYTES:]))
     return bytes(out) if sealer is not None else out  # bytearray is fine for LMDB/S3 and saves a copy
 
 
@@ -121,6 +120,8 @@ def parse_header(buf: memoryview | bytes) -> RecordHeader:
     magic, version, flags, hlen, _ = _PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptRecord("bad record magic")
+    if flags & ~FLAG_SEALED:
+        raise CorruptRecord(f"unknown record flags {flags:#x}")
     if version != FORMAT_VERSION:
         raise UnsupportedFormat(f"record format version {version} is not readable by version {FORMAT_VERSION}")
     if hlen > MAX_HEADER_BYTES or PREFIX_BYTES + hlen > len(mv):
@@ -181,12 +182,9 @@ def decode(
         raise CorruptRecord("record key differs from the key it was stored under")
     if expect_layout is not None and meta.layout_fp != expect_layout:
         raise LayoutMismatch("record belongs to another KV layout")
-    hlen = _PREFIX.unpack_from(mv, 0)[3]
-    h = xxhash.xxh3_64(mv[PREFIX_BYTES : PREFIX_BYTES + hlen])
-    body = mv[hdr.payload_offset :]
-    h.update(body)
-    if h.intdigest() != _PREFIX.unpack_from(mv, 0)[4]:
+    if xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES:]) != _PREFIX.unpack_from(mv, 0)[4]:
         raise CorruptRecord("record checksum mismatch")
+    body = mv[hdr.payload_offset :]
     torch_dtype = DTYPES[meta.dtype][0]
     if out is None:
         out = torch.empty(meta.shape, dtype=torch_dtype)
