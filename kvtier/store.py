@@ -76,7 +76,12 @@ class TieredStore:
 
     # -- lookup / get -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> Lookup:
-        """Longest prefix held across tiers; each run is served by the fastest tier holding it."""
+        """Longest prefix held across tiers.
+
+        At each run start the fastest tier holding that position serves the longest run it has
+        from there; the next run starts where it stops. One ``contains`` per tier per run keeps
+        remote tiers to a few batched probes instead of one round trip per block.
+        """
         runs: list[TierRun] = []
         pos = 0
         while pos < len(keys):

@@ -43,6 +43,7 @@ class LmdbTier(Tier):
         policy: str = "lru",
         sealer: Sealer | None = None,
         sync: bool = True,
+        initial_map_bytes: int = _MIN_MAP,
     ) -> None:
         super().__init__()
         if capacity_bytes <= 0:
@@ -54,7 +55,7 @@ class LmdbTier(Tier):
         self.policy = make_policy(policy)
         self._lock = threading.RLock()
         data = self.path / "data.mdb"
-        start = max(_MIN_MAP, data.stat().st_size if data.exists() else 0)
+        start = max(initial_map_bytes, data.stat().st_size if data.exists() else 0)
         self.env = lmdb.open(
             str(self.path), map_size=start, max_dbs=8, sync=sync, metasync=sync, readahead=False,
             max_readers=256, lock=True,
