@@ -9,7 +9,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 from kvtier.block import Block
+from kvtier.errors import LayoutMismatch
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.metrics import TierMetrics
 
@@ -89,6 +92,22 @@ class Tier(ABC):
 
     @abstractmethod
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]: ...
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[Block | None]:
+        """Like get(), but payloads land in caller-owned tensors (the engine's pages, a pinned
+        staging buffer), saving an allocation per block. Tiers override this to copy only once."""
+        assert len(outs) == len(keys)
+        got = self.get(keys)
+        res: list[Block | None] = []
+        for blk, out in zip(got, outs, strict=True):
+            if blk is None:
+                res.append(None)
+                continue
+            if out.dtype != blk.data.dtype or tuple(out.shape) != tuple(blk.data.shape):
+                raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
+            out.copy_(blk.data)
+            res.append(Block(blk.meta, out))
+        return res
 
     @abstractmethod
     def put(self, blocks: Sequence[Block]) -> PutResult: ...

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lmdb
+import torch
 
 from kvtier import codec
 from kvtier.block import Block
@@ -95,19 +96,27 @@ class LmdbTier(Tier):
             return len(keys)
 
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
+        return self._read(keys, None)
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[Block | None]:
+        assert len(outs) == len(keys)
+        return self._read(keys, outs)
+
+    def _read(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None) -> list[Block | None]:
+        """Verify each record in place in the map (no copy) and copy its payload out exactly once."""
         t0 = time.perf_counter()
         out: list[Block | None] = []
         corrupt: list[bytes] = []
         nbytes = 0
         with self._lock, self.env.begin(db=self._rec, buffers=True) as txn:
-            for k in keys:
+            for i, k in enumerate(keys):
                 v = txn.get(k)
                 if v is None:
                     out.append(None)
                     continue
                 try:
-                    blk = codec.decode(v, expect_key=k, sealer=self.sealer)
-                except (CorruptRecord, LayoutMismatch):
+                    blk = codec.decode(v, expect_key=k, sealer=self.sealer, out=None if outs is None else outs[i])
+                except CorruptRecord:  # a caller's wrong destination (LayoutMismatch) propagates
                     corrupt.append(bytes(k))
                     out.append(None)
                     continue

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.block import Block, BlockMeta
+from kvtier.errors import LayoutMismatch
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import HostSlabPool
 from kvtier.keys import BlockKey, ScopeDomain
@@ -50,17 +51,29 @@ class MemoryTier(Tier):
             return len(keys)
 
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
+        return self._read(keys, None)
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[Block | None]:
+        assert len(outs) == len(keys)
+        return self._read(keys, outs)
+
+    def _read(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None) -> list[Block | None]:
         t0 = time.perf_counter()
         out: list[Block | None] = []
         hits = nbytes = 0
         with self._lock:
-            for k in keys:
+            for i, k in enumerate(keys):
                 ent = self._blocks.get(k)
                 if ent is None:
                     out.append(None)
                     continue
                 meta, slab = ent
-                data = torch.empty(meta.shape, dtype=slab_dtype(meta))
+                if outs is None:
+                    data = torch.empty(meta.shape, dtype=slab_dtype(meta))
+                else:
+                    data = outs[i]
+                    if data.dtype != slab_dtype(meta) or tuple(data.shape) != meta.shape or not data.is_contiguous():
+                        raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
                 data.view(torch.uint8).reshape(-1).copy_(slab)
                 self.policy.touch(k)
                 out.append(Block(meta, data))

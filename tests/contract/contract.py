@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from kvtier.errors import LayoutMismatch
 from kvtier.keys import Scope
 from kvtier.tier import Tier
 from tests.helpers import SMALL, chain_blocks, same_bytes
@@ -165,3 +166,20 @@ class TierContract:
         for t in threads:
             t.join()
         assert errors == []
+
+    def test_get_into_caller_buffers(self, tier: Tier) -> None:
+        blocks = chain_blocks(3)
+        tier.put(blocks[:2])
+        outs = [torch.empty(SMALL.block_shape, dtype=SMALL.torch_dtype) for _ in blocks]
+        got = tier.get_into([b.key for b in blocks], outs)
+        assert got[2] is None
+        for g, b, o in zip(got[:2], blocks[:2], outs[:2], strict=True):
+            assert g is not None and same_bytes(g, b) and g.data.data_ptr() == o.data_ptr()
+
+    def test_get_into_wrong_destination_raises_and_keeps_block(self, tier: Tier) -> None:
+        blocks = chain_blocks(1)
+        tier.put(blocks)
+        with pytest.raises(LayoutMismatch):
+            tier.get_into([blocks[0].key], [torch.empty(3, dtype=torch.float32)])
+        got = tier.get([blocks[0].key])[0]
+        assert got is not None and same_bytes(got, blocks[0])
