@@ -39,3 +39,15 @@ class TierUnavailable(KvtierError):
 
 class ConfigError(KvtierError):
     """Invalid configuration; the message names the offending field."""
+
+
+class RateLimited(AccessDenied):
+    """A principal exceeded a configured rate (e.g. lookups that end in misses) and is refused for now."""
+
+
+class KeyUnavailable(TierUnavailable):
+    """A data key exists but cannot be unwrapped now (wrong master key, KMS unreachable).
+
+    Distinct from CorruptRecord on purpose: records under such a key are intact and must not be
+    quarantined; they become readable again once the master key or KMS is back.
+    """
