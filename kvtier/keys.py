@@ -186,11 +186,17 @@ def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDe
 
     The scope of block i is the most restrictive scope of any token in blocks 0..i.
     """
-    tokens: list[int] = []
-    token_scope: list[Scope] = []
+    # Scopes are folded per segment, not per token: long prompts (tens of thousands of tokens)
+    # then cost one numpy encode plus one hash per block, with no Python work per token.
+    runs: list[tuple[int, Scope]] = []  # (first token, scope) of each non-empty segment, in order
+    encoded: list[bytes] = []
+    n_tokens = 0
     for seg in segments:
-        tokens.extend(int(t) for t in seg.tokens)
-        token_scope.extend([seg.scope] * len(seg.tokens))
+        if len(seg.tokens) == 0:
+            continue
+        runs.append((n_tokens, seg.scope))
+        encoded.append(encode_tokens(seg.tokens))
+        n_tokens += len(seg.tokens)
     bt = layout.block_tokens
     out: list[ChainBlock] = []
     prev = root_digest(layout)
@@ -198,10 +204,12 @@ def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDe
     parent: BlockKey | None = None
     scope = PUBLIC
     domains: dict[Scope, ScopeDomain] = {}
-    enc = encode_tokens(tokens)
-    for i in range(len(tokens) // bt):
-        for s in set(token_scope[i * bt : (i + 1) * bt]):
-            scope = narrower(scope, s)
+    enc = b"".join(encoded)
+    next_run = 0
+    for i in range(n_tokens // bt):
+        while next_run < len(runs) and runs[next_run][0] < (i + 1) * bt:
+            scope = narrower(scope, runs[next_run][1])
+            next_run += 1
         dom = domains.get(scope)
         if dom is None:
             dom = domains[scope] = deriver.domain(scope)
