@@ -17,10 +17,12 @@ from kvtier.block import Block
 from kvtier.codec import Sealer
 from kvtier.errors import CorruptRecord, LayoutMismatch
 from kvtier.eviction import EntryInfo, make_policy
+from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
 from kvtier.tier import PutResult, Tier, TierUsage
 
 _MIN_MAP = 64 << 20
+_MAX_SCRATCH = 64  # scratch record buffers kept between batches
 
 
 class LmdbTier(Tier):
@@ -45,10 +47,14 @@ class LmdbTier(Tier):
         sealer: Sealer | None = None,
         sync: bool = True,
         initial_map_bytes: int = _MIN_MAP,
+        writemap: bool = False,
+        tune_allocator: bool = True,
     ) -> None:
         super().__init__()
         if capacity_bytes <= 0:
             raise ValueError("LmdbTier capacity_bytes must be positive")
+        if tune_allocator:
+            tune_malloc_for_large_blocks()
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -59,9 +65,10 @@ class LmdbTier(Tier):
         start = max(initial_map_bytes, data.stat().st_size if data.exists() else 0)
         self.env = lmdb.open(
             str(self.path), map_size=start, max_dbs=8, sync=sync, metasync=sync, readahead=False,
-            max_readers=256, lock=True,
+            max_readers=256, lock=True, writemap=writemap,
         )
         self._rec = self.env.open_db(b"rec")
+        self._scratch: list[bytearray] = []
         self._index: dict[BlockKey, tuple[ScopeDomain, int]] = {}
         self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
         self._used = 0
@@ -144,18 +151,20 @@ class LmdbTier(Tier):
                     todo.append(b)
         if not todo:
             return res
-        # Encoding (and encryption) happens outside the lock; only the transaction is serialised.
-        records = [(b, codec.encode(b, self.sealer)) for b in todo]
         with self._lock:
+            # Records are encoded into per-tier scratch buffers that are reused across batches:
+            # faulting in fresh pages for every block costs more than the copy itself.
+            while len(self._scratch) < len(todo):
+                self._scratch.append(bytearray())
+            records = [(b, buf, codec.encode_into(b, buf, self.sealer)) for b, buf in zip(todo, self._scratch, strict=False)]
             batch = {b.key for b in todo}
             added: list[tuple[Block, int]] = []
             victims: list[BlockKey] = []
             planned = self._used
-            for b, rec in records:
+            for b, _, size in records:
                 if b.key in self._index:
                     res.present.append(b.key)
                     continue
-                size = len(rec)
                 while planned + size > self.capacity_bytes:
                     v = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
                     if v is None:
@@ -175,6 +184,7 @@ class LmdbTier(Tier):
                 self.policy.insert(EntryInfo(b.key, b.meta.parent, b.meta.index, size))
                 res.stored.append(b.key)
             res.evicted = spilled
+            del self._scratch[_MAX_SCRATCH:]
         self.metrics.evicted(len(victims))
         self.metrics.stored(len(res.stored), sum(b.nbytes for b, _ in added))
         self.metrics.observe("put", time.perf_counter() - t0)
@@ -234,9 +244,10 @@ class LmdbTier(Tier):
                                 except (CorruptRecord, LayoutMismatch):
                                     self.metrics.error("corrupt")
                         txn.delete(v, db=self._rec)
-                    for b, rec in records:
+                    for b, buf, size in records:
                         if b.key in keep:
-                            txn.put(b.key, rec, db=self._rec)
+                            with memoryview(buf) as mv:  # released at once: the buffer is reused
+                                txn.put(b.key, mv[:size], db=self._rec)
                 return spilled
             except lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)

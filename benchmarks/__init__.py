@@ -1,0 +1,1 @@
+"""Benchmark harness; each module is also a `kvtier bench` subcommand."""

@@ -1,0 +1,66 @@
+"""Shared benchmark plumbing: timing, progress, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def progress(msg: str) -> None:
+    print(f"[kvtier bench] {msg}", file=sys.stderr, flush=True)
+
+
+def best_seconds(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:
+    """Median wall time of ``reps`` runs of ``fn`` (``setup`` runs untimed before each)."""
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def paired_seconds(
+    ours: Callable[[], object],
+    base: Callable[[], object],
+    reps: int,
+    setup: Callable[[], object] | None = None,
+) -> tuple[float, float]:
+    """Medians of ``ours`` and ``base`` timed alternately, so drift on a shared machine hits both."""
+    a, b = [], []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        ours()
+        a.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        base()
+        b.append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
+
+
+def table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> str:
+    """cols: (key, header, format spec)."""
+    cells = [[format(r.get(k, ""), f) if r.get(k) is not None else "-" for k, _, f in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, (_, h, _) in enumerate(cols)]
+    line = "  ".join(h.ljust(w) for (_, h, _), w in zip(cols, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(out)
+
+
+def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    progress(f"wrote {p}")
