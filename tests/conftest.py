@@ -1,0 +1,3 @@
+"""Shared pytest configuration: fixture plugins used across the suites."""
+
+pytest_plugins = ["tests.fixtures_s3"]
