@@ -81,7 +81,9 @@ class TierMetrics:
                 "puts": self.puts,
                 "evictions": self.evictions,
                 "errors": dict(self.errors),
-                "latency": {op: {"n": h.n, "sum_s": h.total, "buckets": list(h.counts)} for op, h in self.latency.items()},
+                "latency": {
+                    op: {"n": h.n, "sum_s": h.total, "buckets": list(h.counts)} for op, h in self.latency.items()
+                },
             }
 
 

@@ -156,7 +156,9 @@ class LmdbTier(Tier):
             # faulting in fresh pages for every block costs more than the copy itself.
             while len(self._scratch) < len(todo):
                 self._scratch.append(bytearray())
-            records = [(b, buf, codec.encode_into(b, buf, self.sealer)) for b, buf in zip(todo, self._scratch, strict=False)]
+            records = [
+                (b, buf, codec.encode_into(b, buf, self.sealer)) for b, buf in zip(todo, self._scratch, strict=False)
+            ]
             batch = {b.key for b in todo}
             added: list[tuple[Block, int]] = []
             victims: list[BlockKey] = []
