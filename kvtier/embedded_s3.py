@@ -147,8 +147,9 @@ class EmbeddedS3:
         """An S3Config for this server (the backend is imported here so the core does not need it)."""
         from storage_backends.s3 import S3Config
 
-        return S3Config(endpoint_url=self.endpoint_url, bucket=self.bucket, prefix=prefix,
-                        access_key=ACCESS_KEY, secret_key=SECRET_KEY, **overrides)
+        fields: dict[str, Any] = {"endpoint_url": self.endpoint_url, "bucket": self.bucket, "prefix": prefix,
+                                  "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+        return S3Config(**{**fields, **overrides})
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def command(self) -> list[str]:

@@ -434,6 +434,8 @@ class S3Tier(Tier):
         against the breaker and become S3Unreachable/S3Timeout. Any other ClientError means the
         endpoint answered, so it counts as a success for the breaker and propagates unchanged.
         """
+        if self._closed:
+            raise TierUnavailable("S3Tier is closed")
         if not self.breaker.allow():
             raise S3Unreachable("circuit open: the endpoint failed recently")
         ok = True
@@ -467,10 +469,12 @@ class S3Tier(Tier):
         with self._req_lock:
             self._requests[what] += n
 
-    @staticmethod
-    def _fan_out(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+    def _fan_out(self, pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
         """Run ``fn`` over ``items`` in ``pool`` and join all of them before returning or raising."""
-        futures: list[Future[T]] = [pool.submit(fn, it) for it in items]
+        try:
+            futures: list[Future[T]] = [pool.submit(fn, it) for it in items]
+        except RuntimeError:  # the pool was shut down: close() ran
+            raise TierUnavailable("S3Tier is closed") from None
         first_exc: BaseException | None = None
         out: list[T] = []
         for f in futures:
