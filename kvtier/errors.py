@@ -51,3 +51,9 @@ class KeyUnavailable(TierUnavailable):
     Distinct from CorruptRecord on purpose: records under such a key are intact and must not be
     quarantined; they become readable again once the master key or KMS is back.
     """
+
+
+class TransferError(KvtierError):
+    """A host<->device transfer request is malformed or cannot be served: page ids out of range or
+    duplicated as scatter targets, a batch larger than a staging buffer, mismatched page sizes, a
+    staging buffer used after release, or back-pressure that did not clear within its timeout."""

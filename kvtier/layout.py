@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NewType
 
-import msgpack
 import torch
 
 LayoutFingerprint = NewType("LayoutFingerprint", bytes)
@@ -28,6 +28,55 @@ def dtype_name(dtype: torch.dtype) -> str:
         return _NAME_OF[dtype]
     except KeyError:
         raise ValueError(f"unsupported KV dtype {dtype}") from None
+
+
+def pack_canonical(obj: str | int | list) -> bytes:
+    """The msgpack encoding of nested lists of str/int, byte for byte as ``msgpack.packb`` writes it.
+
+    Written out here so that the layout fingerprint (and everything keyed by it) needs no
+    third-party package: the GPU transfer path runs on machines that carry only torch and numpy.
+    tests/unit/test_transfer_deps.py checks it against msgpack itself.
+    """
+    if isinstance(obj, bool) or not isinstance(obj, str | int | list):
+        raise TypeError(f"pack_canonical: unsupported type {type(obj).__name__}")
+    if isinstance(obj, str):
+        raw = obj.encode("utf-8")
+        n = len(raw)
+        if n <= 31:
+            return bytes([0xA0 | n]) + raw
+        if n <= 0xFF:
+            return b"\xd9" + struct.pack(">B", n) + raw
+        if n <= 0xFFFF:
+            return b"\xda" + struct.pack(">H", n) + raw
+        return b"\xdb" + struct.pack(">I", n) + raw
+    if isinstance(obj, int):
+        if 0 <= obj <= 0x7F:
+            return bytes([obj])
+        if -32 <= obj < 0:
+            return struct.pack(">b", obj)
+        for lo, hi, tag, fmt in _INT_FORMATS:
+            if lo <= obj <= hi:
+                return tag + struct.pack(fmt, obj)
+        raise OverflowError(f"pack_canonical: {obj} does not fit in 64 bits")
+    n = len(obj)
+    if n <= 15:
+        head = bytes([0x90 | n])
+    else:
+        head = b"\xdc" + struct.pack(">H", n) if n <= 0xFFFF else b"\xdd" + struct.pack(">I", n)
+    return head + b"".join(pack_canonical(x) for x in obj)
+
+
+#: (min, max, tag, struct format) in the order msgpack prefers them: unsigned first, smallest first.
+_INT_FORMATS: tuple[tuple[int, int, bytes, str], ...] = (
+    (0, 0xFF, b"\xcc", ">B"),
+    (0, 0xFFFF, b"\xcd", ">H"),
+    (0, 0xFFFFFFFF, b"\xce", ">I"),
+    (0, 0xFFFFFFFFFFFFFFFF, b"\xcf", ">Q"),
+    (-0x80, -1, b"\xd0", ">b"),
+    (-0x8000, -1, b"\xd1", ">h"),
+    (-0x80000000, -1, b"\xd2", ">i"),
+    (-0x8000000000000000, -1, b"\xd3", ">q"),
+)
 
 
 @dataclass(frozen=True)
@@ -91,7 +140,7 @@ class KVLayout:
     @cached_property
     def fingerprint(self) -> LayoutFingerprint:
         """sha256 over a canonical msgpack encoding of every field (stable across processes)."""
-        canon = msgpack.packb(
+        canon = pack_canonical(
             [
                 "kvtier-layout-v1",
                 self.model_id,
