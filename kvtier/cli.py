@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "reload-vs-recompute": ("benchmarks.reload_vs_recompute", "measure reload vs recompute and score the cost model"),
     "e2e": ("benchmarks.e2e", "end-to-end scenario: TTFT cold vs warm with a real transformer"),
     "daemon": ("benchmarks.daemon", "load test of the gRPC daemon with byte-for-byte verification"),
+    "gpu": ("benchmarks.gpu_bench", "transfer engine d2h/h2d throughput vs raw pinned and pageable torch copies"),
 }
 
 
