@@ -1,0 +1,638 @@
+"""KVCache: the in-process facade every user goes through (connectors, the daemon, the main job).
+
+Every call takes the authenticated principal and runs the policy before touching a tier:
+
+- ``chain`` derives keys from segments whose scopes are *relative* to the principal (``public``,
+  ``org``, ``user``, ``session``); a caller can never name another tenant's scope or domain.
+- ``lookup``/``load``/``save``/``delete`` never trust the scope or domain fields of a chain handed
+  back to them: the domain is read from each key's routing prefix and checked against the
+  principal's own domains, so a forged chain carrying another tenant's keys is refused before
+  any tier is asked.
+- ``purge`` deletes a scope from every tier and destroys its data key, journaled so a crash in the
+  middle resumes on the next start.
+- ``stats`` reports usage only for scopes the principal may read.
+
+Timing side channel (docs/security.md): cross-tenant hits on private content cannot happen (keys
+differ by construction); hits on public content are shared on purpose. ``TimingMitigations``
+offers a minimum shared-prefix length before a public-only hit is served and a per-principal
+limit on lookups that end in misses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kvtier.block import Block
+from kvtier.crypto import KeyRing
+from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, RateLimited, ScopeError
+from kvtier.keys import (
+    LAYOUT_TAG_BYTES,
+    PUBLIC,
+    BlockKey,
+    ChainBlock,
+    Scope,
+    ScopeDomain,
+    ScopeKind,
+    Segment,
+    block_chain,
+    key_domain,
+    key_layout_tag,
+)
+from kvtier.layout import KVLayout
+from kvtier.store import Lookup, TieredStore
+from kvtier.tenancy import Op, Policy, Principal
+
+
+# =================================================================================================
+# Requests
+# =================================================================================================
+@dataclass(slots=True, frozen=True)
+class RequestSegment:
+    """A run of tokens and who may reuse its KV, relative to the caller: ``public``, ``org``,
+    ``user`` (the default: a principal's content lands in its own scope) or ``session``."""
+
+    tokens: Sequence[int]
+    scope: ScopeKind | str = ScopeKind.USER
+
+
+# =================================================================================================
+# Timing mitigations
+# =================================================================================================
+@dataclass(slots=True, frozen=True)
+class TimingMitigations:
+    """Options against the residual public-content timing channel (both off by default).
+
+    ``min_public_prefix_blocks``: a hit that lies entirely in public blocks is served only when
+    it covers at least this many blocks; a shorter one is reported (and loaded) as a miss, so
+    probing whether someone cached a short public prefix yields nothing.
+    ``miss_limit`` per ``miss_window_s``: after that many lookups/loads ending in a miss within
+    the window, a principal's further lookups and loads are refused (RateLimited) until the
+    window slides; the refusal is decided before the lookup, so it carries no hit/miss signal.
+    """
+
+    min_public_prefix_blocks: int = 0
+    miss_limit: int | None = None
+    miss_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.min_public_prefix_blocks < 0:
+            raise ConfigError("TimingMitigations.min_public_prefix_blocks must be >= 0")
+        if self.miss_limit is not None and self.miss_limit < 1:
+            raise ConfigError("TimingMitigations.miss_limit must be >= 1 (or None to disable)")
+        if self.miss_window_s <= 0:
+            raise ConfigError("TimingMitigations.miss_window_s must be positive")
+
+
+class MissRateLimiter:
+    """Sliding-window count of lookups that ended in a miss, per principal id.
+
+    Invariant (under ``_lock``): each deque holds the times of at most ``limit`` misses inside the
+    last ``window_s``; principals with no recent misses have no entry.
+    """
+
+    def __init__(self, limit: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._misses: dict[str, deque[float]] = {}
+
+    def _recent(self, pid: str, now: float) -> deque[float] | None:
+        q = self._misses.get(pid)
+        if q is None:
+            return None
+        while q and q[0] <= now - self.window_s:
+            q.popleft()
+        if not q:
+            del self._misses[pid]
+            return None
+        return q
+
+    def check(self, pid: str) -> None:
+        with self._lock:
+            q = self._recent(pid, self._clock())
+            if q is not None and len(q) >= self.limit:
+                raise RateLimited(f"principal {pid} exceeded {self.limit} missed lookups per {self.window_s:g}s")
+
+    def record_miss(self, pid: str) -> None:
+        with self._lock:
+            now = self._clock()
+            q = self._recent(pid, now)
+            if q is None:
+                q = self._misses[pid] = deque()
+            q.append(now)
+            while len(q) > self.limit:
+                q.popleft()
+
+
+# =================================================================================================
+# Purge
+# =================================================================================================
+class ScopePurger(Protocol):
+    """Anything besides the store's tiers that holds a scope's data (a location directory)."""
+
+    name: str
+
+    def delete_scope(self, domain: ScopeDomain) -> int: ...
+
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]: ...
+
+
+@dataclass(slots=True, frozen=True)
+class PurgeReport:
+    """What a purge removed: blocks per tier (and per extra purger) and data keys destroyed.
+
+    Counts accumulate over a resumed purge, so a crash in the middle does not lose them.
+    """
+
+    domain: str
+    removed: dict[str, int]
+    keys_destroyed: int
+    resumed: bool
+    scope: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.removed.values())
+
+
+@dataclass(slots=True)
+class _JournalEntry:
+    domain: str
+    actor: str
+    started_at: float
+    removed: dict[str, int] = field(default_factory=dict)
+    keys_destroyed: int = 0
+
+
+class PurgeJournal:
+    """Purge intents on disk: ``<domain hex>.purge`` (JSON, 0600), written atomically.
+
+    Protocol: ``begin`` is durable before anything is deleted; ``progress`` after each step; the
+    file is removed by ``finish`` once every tier is clean and the data key destroyed. A file left
+    behind means a purge that did not finish: ``pending()`` lists it and KVCache resumes it. The
+    journal names only the opaque domain and the actor id (the audit log holds the scope name).
+    With ``path=None`` intents live in memory only (no crash resume). Guarded by ``_lock``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._mem: dict[str, _JournalEntry] = {}
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for f in self.path.glob("*.purge"):
+                self._mem[f.stem] = _load_entry(f)
+
+    def begin(self, domain: ScopeDomain, actor: str) -> tuple[_JournalEntry, bool]:
+        """The journal entry for ``domain``; True when an unfinished one already existed."""
+        with self._lock:
+            existing = self._mem.get(domain.hex())
+            if existing is not None:
+                return existing, True
+            entry = self._mem[domain.hex()] = _JournalEntry(domain.hex(), actor, time.time())
+            self._write(entry)
+            return entry, False
+
+    def progress(self, entry: _JournalEntry) -> None:
+        with self._lock:
+            self._write(entry)
+
+    def finish(self, entry: _JournalEntry) -> None:
+        with self._lock:
+            self._mem.pop(entry.domain, None)
+            if self.path is not None:
+                (self.path / f"{entry.domain}.purge").unlink(missing_ok=True)
+                _fsync_dir(self.path)
+
+    def pending(self) -> list[_JournalEntry]:
+        with self._lock:
+            return list(self._mem.values())
+
+    def _write(self, entry: _JournalEntry) -> None:
+        if self.path is None:
+            return
+        final = self.path / f"{entry.domain}.purge"
+        tmp = self.path / f"{entry.domain}.tmp"
+        data = json.dumps({"domain": entry.domain, "actor": entry.actor, "started_at": entry.started_at,
+                           "removed": entry.removed, "keys_destroyed": entry.keys_destroyed}).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        _fsync_dir(self.path)
+
+
+def _load_entry(f: Path) -> _JournalEntry:
+    try:
+        d = json.loads(f.read_bytes())
+        entry = _JournalEntry(str(d["domain"]), str(d["actor"]), float(d["started_at"]),
+                              {str(k): int(v) for k, v in d["removed"].items()}, int(d["keys_destroyed"]))
+        bytes.fromhex(entry.domain)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        # A journal file is written atomically, so it is never torn; a damaged one still names its
+        # domain in the file name, which is enough to redo the purge from scratch.
+        entry = _JournalEntry(f.stem, "unknown", f.stat().st_mtime)
+    return entry
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# =================================================================================================
+# The facade
+# =================================================================================================
+@dataclass(slots=True, frozen=True)
+class CacheOptions:
+    #: The key ring of the encrypting tiers: a purge destroys the scope's data keys in it.
+    keyring: KeyRing | None = None
+    #: Where purge intents are journaled (None: in memory, no resume after a crash).
+    journal_dir: str | os.PathLike[str] | None = None
+    mitigations: TimingMitigations = field(default_factory=TimingMitigations)
+    #: Holders of scope data outside the store's tiers (a location directory), purged too.
+    extra_purgers: tuple[ScopePurger, ...] = ()
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(slots=True, frozen=True)
+class SaveReport:
+    """``stored``: blocks newly written per tier; ``not_published``: chain indices skipped
+    because they are shared (public/org) content the principal may read but not publish."""
+
+    stored: dict[str, int]
+    offered: int
+    not_published: tuple[int, ...]
+
+
+class KVCache:
+    """The policy-checked front of a TieredStore, for one or more KV layouts.
+
+    Invariants: no tier is touched for a principal that is revoked, or for a block whose key
+    domain the principal may not use for that operation; blocks of a domain under purge are
+    neither served nor written (the store's write fence) until the purge finishes. The cache
+    itself holds no block data; ``counters`` (guarded by ``_lock``) count refusals and
+    mitigations. Unfinished purges found in the journal are resumed by the constructor.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        layouts: KVLayout | Sequence[KVLayout],
+        policy: Policy,
+        options: CacheOptions | None = None,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.options = options or CacheOptions()
+        layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
+        if not layouts:
+            raise ConfigError("KVCache needs at least one KV layout")
+        self._layouts: dict[bytes, KVLayout] = {}
+        for lay in layouts:
+            tag = lay.fingerprint[:LAYOUT_TAG_BYTES]
+            if tag in self._layouts and self._layouts[tag] != lay:
+                raise ConfigError(f"two layouts share the tag {tag.hex()}")
+            self._layouts[tag] = lay
+        m = self.options.mitigations
+        self._limiter = MissRateLimiter(m.miss_limit, m.miss_window_s, self.options.clock) if m.miss_limit else None
+        self.journal = PurgeJournal(self.options.journal_dir)
+        self._lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+        self.resumed: list[PurgeReport] = self.resume_purges()
+
+    # -- keys -------------------------------------------------------------------------------------
+    def layout(self, which: KVLayout | str | None = None) -> KVLayout:
+        """The layout to use: the only one, or one named by model id or fingerprint hex."""
+        if isinstance(which, KVLayout):
+            if which.fingerprint[:LAYOUT_TAG_BYTES] not in self._layouts:
+                raise LayoutMismatch("layout is not served by this cache")
+            return which
+        if which is None:
+            if len(self._layouts) != 1:
+                raise LayoutMismatch("this cache serves several layouts: name one")
+            return next(iter(self._layouts.values()))
+        found = [lay for lay in self._layouts.values() if which in (lay.model_id, lay.fingerprint.hex())]
+        if len(found) != 1:
+            raise LayoutMismatch(f"no single layout named {which!r}")
+        return found[0]
+
+    def chain(
+        self,
+        principal: Principal,
+        segments: Iterable[RequestSegment | Segment],
+        *,
+        layout: KVLayout | str | None = None,
+    ) -> list[ChainBlock]:
+        """Keys of every full block of a request, with scopes mapped to the principal's own.
+
+        ``keys.Segment`` (absolute scope) is accepted only when its scope is one the principal
+        can read, so a caller cannot reach another tenant's scope by naming it.
+        """
+        self.policy.require_active(principal)
+        lay = self.layout(layout)
+        resolved = []
+        for seg in segments:
+            scope = principal.own_scope(seg.scope) if isinstance(seg, RequestSegment) else seg.scope
+            if not self.policy.may_read(principal, scope):
+                raise AccessDenied(f"principal {principal.id} cannot use scope kind {scope.kind.name.lower()}")
+            resolved.append(Segment(seg.tokens, scope))
+        return block_chain(lay, resolved, self.policy.deriver)
+
+    # -- reads ------------------------------------------------------------------------------------
+    def lookup(self, principal: Principal, chain: Sequence[ChainBlock]) -> Lookup:
+        """Longest cached prefix of ``chain`` that ``principal`` may read.
+
+        Stops at the first block the principal may not read (counted as ``denied``) or whose
+        scope is being purged. A lookup that ends short of the chain counts as a miss for the
+        rate limit.
+        """
+        keys, readable = self._readable_prefix(principal, chain)
+        lk = self._gated(self.store.lookup(keys), chain, readable)
+        self._after(principal, lk.length, len(chain))
+        return Lookup(lk.runs, len(chain))
+
+    def load(
+        self,
+        principal: Principal,
+        chain: Sequence[ChainBlock],
+        n: int | None = None,
+    ) -> list[Block]:
+        """The verified blocks of the longest cached prefix of ``chain[:n]``.
+
+        Asking for a block the principal may not read is refused (AccessDenied) before any tier
+        is touched; a block that vanished or failed verification shortens the result.
+        """
+        n = len(chain) if n is None else n
+        if not 0 <= n <= len(chain):
+            raise ValueError(f"load: n={n} outside [0, {len(chain)}]")
+        self.policy.require_active(principal)
+        readable = self.policy.readable_domains(principal)
+        for i, cb in enumerate(chain[:n]):
+            if key_domain(cb.key) not in readable:
+                self._count("denied")
+                raise AccessDenied(f"block {i} of the chain is in a scope principal {principal.id} cannot read")
+        keys, _ = self._readable_prefix(principal, chain[:n], readable=readable)
+        lk = self._gated(self.store.lookup(keys), chain, readable)
+        blocks = self.store.get(keys[: lk.length], domains=[key_domain(k) for k in keys[: lk.length]], lookup=lk)
+        self._after(principal, len(blocks), n)
+        return blocks
+
+    def _readable_prefix(
+        self,
+        principal: Principal,
+        chain: Sequence[ChainBlock],
+        *,
+        readable: dict[ScopeDomain, Scope] | None = None,
+    ) -> tuple[list[BlockKey], dict[ScopeDomain, Scope]]:
+        self.policy.require_active(principal)
+        if self._limiter is not None:
+            try:
+                self._limiter.check(principal.id)
+            except RateLimited:
+                self._count("rate_limited")
+                raise
+        if readable is None:
+            readable = self.policy.readable_domains(principal)
+        keys: list[BlockKey] = []
+        fence = self.store.fence
+        for cb in chain:
+            dom = key_domain(cb.key)
+            if dom not in readable:
+                self._count("denied")
+                break
+            if fence.is_closed(dom):
+                self._count("purging_miss")
+                break
+            keys.append(cb.key)
+        return keys, readable
+
+    def _gated(self, lk: Lookup, chain: Sequence[ChainBlock], readable: dict[ScopeDomain, Scope]) -> Lookup:
+        """Apply the minimum public-prefix rule to a lookup result."""
+        need = self.options.mitigations.min_public_prefix_blocks
+        if need == 0 or lk.length == 0 or lk.length >= need:
+            return lk
+        public = 0
+        for cb in chain[: lk.length]:
+            if readable.get(key_domain(cb.key)) != PUBLIC:
+                break
+            public += 1
+        if public < lk.length:
+            return lk  # the hit reaches the principal's own (non-public) blocks: nothing to hide
+        self._count("public_hit_suppressed")
+        return Lookup((), lk.requested)
+
+    def _after(self, principal: Principal, hit: int, wanted: int) -> None:
+        if self._limiter is not None and hit < wanted:
+            self._limiter.record_miss(principal.id)
+
+    # -- writes -----------------------------------------------------------------------------------
+    def save(
+        self,
+        principal: Principal,
+        chain: Sequence[ChainBlock],
+        tensors: Sequence[torch.Tensor],
+        *,
+        start: int = 0,
+    ) -> SaveReport:
+        """Store ``tensors[i]`` as block ``chain[start + i]``.
+
+        Everything is validated before anything is written: a block in a scope the principal
+        cannot read (another tenant's), a malformed chain, a tensor of the wrong layout, or a
+        scope under purge raises and stores nothing. Shared blocks (public/org) the principal may
+        read but lacks the role to publish are skipped and listed in ``not_published``.
+        """
+        self.policy.require_active(principal)
+        if start < 0 or start + len(tensors) > len(chain):
+            raise LayoutMismatch(f"save: {len(tensors)} tensors from block {start} overrun a {len(chain)}-block chain")
+        _check_links(chain)
+        readable = self.policy.readable_domains(principal)
+        blocks: list[Block] = []
+        skipped: list[int] = []
+        for i, data in enumerate(tensors):
+            cb = chain[start + i]
+            dom = key_domain(cb.key)
+            scope = readable.get(dom)
+            if scope is None:
+                self._count("denied")
+                raise AccessDenied(f"block {start + i} of the chain is in a scope principal {principal.id} cannot use")
+            if self.store.fence.is_closed(dom):
+                raise AccessDenied(f"scope {scope} is being purged; writes are refused until the purge finishes")
+            if not self.policy.may_write(principal, scope):
+                if scope.kind >= ScopeKind.USER:
+                    raise AccessDenied(f"write to {scope} refused for principal {principal.id}")
+                skipped.append(start + i)
+                continue
+            blocks.append(Block.build(self._layout_of(cb.key), cb.key, dom, data, parent=cb.parent, index=cb.index))
+        if skipped:
+            self._count("not_published", len(skipped))
+        report = self.store.put(blocks) if blocks else None
+        return SaveReport(dict(report.stored) if report else {}, len(blocks), tuple(skipped))
+
+    def delete(self, principal: Principal, chain: Sequence[ChainBlock]) -> dict[str, int]:
+        """Delete these blocks from every tier; every block must be deletable by the principal."""
+        self.policy.require_active(principal)
+        readable = self.policy.readable_domains(principal)
+        for i, cb in enumerate(chain):
+            scope = readable.get(key_domain(cb.key))
+            if scope is None or not self.policy.may_delete(principal, scope):
+                self._count("denied")
+                raise AccessDenied(f"delete of block {i} of the chain refused for principal {principal.id}")
+        return self.store.delete([cb.key for cb in chain])
+
+    # -- purge ------------------------------------------------------------------------------------
+    def resolve_scope(self, actor: Principal, scope: Scope | ScopeKind | str) -> Scope:
+        """``"user"``/``ScopeKind.USER`` -> the actor's own; ``"user:<tenant>/<id>"`` or a Scope -> as named.
+
+        Naming a scope absolutely only works for principals the policy lets delete it (tenant
+        admins within their tenant, operators): purge checks ``may_delete`` on the result.
+        """
+        if isinstance(scope, Scope):
+            return scope
+        if isinstance(scope, ScopeKind) or ":" not in scope:
+            return actor.own_scope(scope)
+        return Scope.parse(scope)
+
+    def purge(self, actor: Principal, scope: Scope | ScopeKind | str) -> PurgeReport:
+        """Remove every copy of ``scope`` from every tier and destroy its data keys.
+
+        Order: the intent is journaled; the store's write fence closes the domain (no put,
+        promotion, spill or upload can land behind the purge); the data keys are destroyed
+        first, so any copy still anywhere is unreadable from that moment; then each tier and
+        each extra purger deletes the domain; the keys are destroyed once more (a no-op unless
+        something raced); the journal entry is removed. Idempotent: purging an already purged
+        scope succeeds and removes nothing. A crash leaves the journal entry, and the next
+        KVCache resumes it.
+        """
+        target = self.resolve_scope(actor, scope)
+        try:
+            self.policy.authorize(Op.DELETE, actor, target)
+        except AccessDenied:
+            self._count("denied")
+            raise
+        domain = self.policy.domain(target)
+        audit = self.policy.audit
+        if audit is not None:
+            audit.append(actor.id, "purge.start", str(target), domain=domain.hex())
+        report = self._purge_domain(domain, actor.id, scope_name=str(target))
+        if audit is not None:
+            audit.append(actor.id, "purge.done", str(target), domain=domain.hex(), removed=report.removed,
+                         keys_destroyed=report.keys_destroyed, resumed=report.resumed)
+        return report
+
+    def resume_purges(self) -> list[PurgeReport]:
+        """Finish every purge the journal says was started and not finished (run on construction)."""
+        out = []
+        for entry in self.journal.pending():
+            domain = ScopeDomain(bytes.fromhex(entry.domain))
+            if self.policy.audit is not None:
+                self.policy.audit.append(entry.actor, "purge.resume", entry.domain, domain=entry.domain)
+            report = self._purge_domain(domain, entry.actor, scope_name=None)
+            if self.policy.audit is not None:
+                self.policy.audit.append(entry.actor, "purge.done", entry.domain, domain=entry.domain,
+                                         removed=report.removed, keys_destroyed=report.keys_destroyed, resumed=True)
+            out.append(report)
+        return out
+
+    def _purge_domain(self, domain: ScopeDomain, actor_id: str, *, scope_name: str | None) -> PurgeReport:
+        entry, resumed = self.journal.begin(domain, actor_id)
+        keyring = self.options.keyring
+        with self.store.fence.closed(domain):
+            if keyring is not None:
+                entry.keys_destroyed += keyring.destroy(domain)
+                self.journal.progress(entry)
+            # Uploads of the scope queued before the fence closed: cancel them, wait out those in flight.
+            self.store.write_policy.forget(domain=domain)
+            holders: list[Any] = [*self.store.tiers, *self.options.extra_purgers]
+            for holder in holders:
+                entry.removed[holder.name] = entry.removed.get(holder.name, 0) + holder.delete_scope(domain)
+                self.journal.progress(entry)
+            if keyring is not None:
+                entry.keys_destroyed += keyring.destroy(domain)
+            self.journal.finish(entry)
+        return PurgeReport(domain.hex(), dict(entry.removed), entry.keys_destroyed, resumed, scope_name)
+
+    def remaining(self, actor: Principal, scope: Scope | ScopeKind | str) -> dict[str, int]:
+        """What is left of a scope in every holder (keys listed from the tiers' own storage) and
+        in the key ring: all zeros after a purge. Needs delete rights on the scope."""
+        target = self.resolve_scope(actor, scope)
+        self.policy.authorize(Op.DELETE, actor, target)
+        domain = self.policy.domain(target)
+        holders: list[Any] = [*self.store.tiers, *self.options.extra_purgers]
+        left = {h.name: len(h.keys_in_scope(domain)) for h in holders}
+        keyring = self.options.keyring
+        if keyring is not None:
+            left["data_keys"] = len(keyring.store.wrapped_for(domain))
+        return left
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self, principal: Principal, scope: ScopeKind | str | None = None) -> dict[str, Any]:
+        """Stored bytes per tier for each scope the principal may read (or only ``scope``), named
+        relative to the principal (``public``, ``org``, ``user``, ``session``)."""
+        self.policy.require_active(principal)
+        readable = self.policy.readable_domains(principal)
+        if scope is not None:
+            target = principal.own_scope(scope)
+            if not self.policy.may_read(principal, target):
+                self._count("denied")
+                raise AccessDenied(f"stats on {target} refused for principal {principal.id}")
+            readable = {d: s for d, s in readable.items() if s == target}
+        usage = [(t.name, t.usage().by_domain) for t in self.store.tiers]
+        scopes = {
+            s.kind.name.lower(): {name: int(by_domain.get(d, 0)) for name, by_domain in usage}
+            for d, s in readable.items()
+        }
+        return {"principal": principal.id, "scopes": scopes}
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[what] += n
+
+    def _layout_of(self, key: BlockKey) -> KVLayout:
+        lay = self._layouts.get(key_layout_tag(key))
+        if lay is None:
+            raise LayoutMismatch("chain key belongs to a layout this cache does not serve")
+        return lay
+
+
+def _check_links(chain: Sequence[ChainBlock]) -> None:
+    """A chain handed back by a caller must still be a chain: each block's parent is the previous key."""
+    for prev, cur in itertools.pairwise(chain):
+        if cur.parent != prev.key or cur.index != prev.index + 1:
+            raise ScopeError(f"malformed chain: block {cur.index} does not follow block {prev.index}")
+
+
+__all__ = [
+    "CacheOptions",
+    "KVCache",
+    "MissRateLimiter",
+    "PurgeJournal",
+    "PurgeReport",
+    "RequestSegment",
+    "SaveReport",
+    "ScopePurger",
+    "TimingMitigations",
+]
