@@ -1,0 +1,349 @@
+"""Cost model: profiles recover their parameters, plans follow the formulas and pick the optimum."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier.costmodel import (
+    PLAN_STRATEGIES,
+    CostModel,
+    HostToDeviceProfile,
+    OnlineLinearFit,
+    PrefillProfile,
+    TierProfile,
+    h200_llama3_8b,
+    nonnegative_least_squares,
+    pairs,
+)
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+from kvtier.store import Lookup, TierRun
+from kvtier.tier import Tier
+
+LAYOUT = KVLayout("cm-test", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
+BPB = LAYOUT.bytes_per_block  # 32 KiB
+BPT = LAYOUT.bytes_per_token
+
+# A CPU-engine-like prefill: 2 ms fixed, 40 us/token, 2 ns/pair, 5 ns per context token.
+PREFILL = (2e-3, 40e-6, 2e-9, 5e-9)
+
+
+def model(**tiers: TierProfile) -> CostModel:
+    return CostModel(PrefillProfile(*PREFILL), tiers, decrypt_Bps=1e9, host_to_device=HostToDeviceProfile(5e9))
+
+
+def compute_s(new: int, ctx: int) -> float:
+    if new == 0:
+        return 0.0
+    f, a, b, c = PREFILL
+    return f + a * new + b * pairs(new, ctx) + c * ctx
+
+
+def one_tier(tier: str, blocks: int, requested: int | None = None) -> Lookup:
+    return Lookup((TierRun(0, tier, 0, blocks),), requested if requested is not None else blocks)
+
+
+# -- the fit ---------------------------------------------------------------------------------------
+def test_nnls_equals_least_squares_when_feasible_and_clips_otherwise() -> None:
+    x = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    y = np.array([3.0, 5.0, 7.0])  # y = 1 + 2x
+    np.testing.assert_allclose(nonnegative_least_squares(x, y, np.ones(3)), [1.0, 2.0], rtol=1e-9)
+    y2 = np.array([5.0, 3.0, 1.0])  # best unconstrained slope is -2: constrained to 0
+    theta = nonnegative_least_squares(x, y2, np.ones(3))
+    assert theta[1] == 0.0 and theta[0] == pytest.approx(3.0)
+
+
+def test_tier_profile_recovers_true_parameters() -> None:
+    prof = TierProfile("t", latency_s=1e-3, bandwidth_Bps=1e9)  # deliberately wrong prior
+    lat, per_block, bw = 2e-3, 50e-6, 2e8
+    for blocks in (1, 4, 16, 64):
+        for size in (8 << 10, 128 << 10):
+            prof.observe(blocks, blocks * size, lat + blocks * per_block + blocks * size / bw)
+    assert prof.latency_s == pytest.approx(lat, rel=0.02)
+    assert prof.per_block_s == pytest.approx(per_block, rel=0.02)
+    assert prof.bandwidth_Bps == pytest.approx(bw, rel=0.02)
+
+
+def test_prefill_profile_recovers_true_parameters() -> None:
+    prof = PrefillProfile(1e-3, 1e-5, 1e-9, 0.0)
+    for new, ctx in ((16, 0), (256, 0), (2048, 0), (16, 4096), (512, 4096), (1024, 1024), (64, 16384)):
+        prof.observe(new, ctx, compute_s(new, ctx))
+    for new, ctx in ((4096, 0), (100, 20000)):
+        assert float(prof.predict(new, ctx)) == pytest.approx(compute_s(new, ctx), rel=0.01)
+
+
+def test_prior_alone_predicts_the_analytic_formula() -> None:
+    prof = TierProfile("t", latency_s=5e-3, bandwidth_Bps=1e8, per_block_s=1e-4)
+    assert prof.predict(10, 10 * BPB) == pytest.approx(5e-3 + 10e-4 + 10 * BPB / 1e8, rel=1e-6)
+    assert prof.predict(0, 0) == 0.0
+
+
+def test_profile_follows_a_slowdown_within_a_few_observations() -> None:
+    prof = TierProfile("t", latency_s=1e-4, bandwidth_Bps=1e9)
+    for n in (1, 8, 32, 64, 1, 8, 32, 64):
+        prof.observe(n, n * BPB, 1e-4 + n * BPB / 1e9)
+    slow = 1e-4 + 64 * BPB / 1e7  # the link is now 100x slower
+    prof.observe(64, 64 * BPB, slow)
+    assert prof.predict(64, 64 * BPB) == pytest.approx(slow, rel=0.05)
+    assert prof.predict(32, 32 * BPB) > 10 * (1e-4 + 32 * BPB / 1e9)  # the change carries over
+    fast = 1e-4 + 64 * BPB / 1e9  # and back
+    prof.observe(64, 64 * BPB, fast)
+    assert prof.predict(64, 64 * BPB) == pytest.approx(fast, rel=0.05)
+
+
+def test_noise_within_2x_does_not_restart_the_fit() -> None:
+    prof = TierProfile("t", latency_s=1e-4, bandwidth_Bps=1e9)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        for n in (1, 8, 32, 64):
+            prof.observe(n, n * BPB, (1e-4 + n * BPB / 1e9) * float(rng.uniform(0.8, 1.25)))
+    assert prof._fit.resets == 0
+    assert prof.predict(16, 16 * BPB) == pytest.approx(1e-4 + 16 * BPB / 1e9, rel=0.2)
+
+
+def test_fit_rejects_bad_observations() -> None:
+    fit = OnlineLinearFit(("a",), (1.0,))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        fit.observe(0, (1.0,), -1.0)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        fit.observe(0, (1.0,), float("nan"))
+    with pytest.raises(ValueError, match="one value per parameter"):
+        OnlineLinearFit(("a", "b"), (1.0,))
+    with pytest.raises(ValueError, match="prior parameters"):
+        OnlineLinearFit(("a",), (-1.0,))
+    with pytest.raises(ValueError, match="at least one token"):
+        PrefillProfile(*PREFILL).observe(0, 10, 0.1)
+
+
+# -- plans -----------------------------------------------------------------------------------------
+def test_registry_holds_the_four_plans() -> None:
+    assert list(PLAN_STRATEGIES) == ["full-reload", "full-recompute", "split", "pipelined"]
+
+
+def test_full_plans_follow_the_formulas() -> None:
+    cm = model(fast=TierProfile("fast", latency_s=1e-3, bandwidth_Bps=1e9, per_block_s=1e-5))
+    n, q = 64, 32
+    p = cm.plan(one_tier("fast", n), q, LAYOUT)
+    tokens = n * 16
+    reload_s = 1e-3 + n * 1e-5 + n * BPB / 1e9 + tokens * BPT / 5e9 + compute_s(q, tokens)
+    assert p.predicted_ms["full-reload"] == pytest.approx(reload_s * 1e3, rel=1e-3)
+    assert p.predicted_ms["full-recompute"] == pytest.approx(compute_s(tokens + q, 0) * 1e3, rel=1e-3)
+    assert p.name == "full-reload" and p.recompute_tokens == 0
+    assert p.load[0].tier == "fast" and p.load[0].count == n and p.load[0].tokens == tokens
+
+
+def test_slow_tier_recomputes_and_encryption_costs() -> None:
+    cm = model(slow=TierProfile("slow", latency_s=0.05, bandwidth_Bps=1e6))
+    p = cm.plan(one_tier("slow", 16), 16, LAYOUT)
+    assert p.name == "full-recompute" and p.load == () and p.recompute_tokens == 256
+    plain = model(d=TierProfile("d", latency_s=1e-3, bandwidth_Bps=1e9))
+    sealed = model(d=TierProfile("d", latency_s=1e-3, bandwidth_Bps=1e9, encrypted=True))
+    a = plain.plan(one_tier("d", 32), 16, LAYOUT).predicted_ms["full-reload"]
+    b = sealed.plan(one_tier("d", 32), 16, LAYOUT).predicted_ms["full-reload"]
+    assert b - a == pytest.approx(32 * BPB / 1e9 * 1e3, rel=1e-3)
+
+
+def test_fast_front_slow_back_splits_at_the_tier_boundary() -> None:
+    cm = model(mem=TierProfile("mem", latency_s=1e-5, bandwidth_Bps=1e10),
+               remote=TierProfile("remote", latency_s=0.02, bandwidth_Bps=2e6))
+    lk = Lookup((TierRun(0, "mem", 0, 32), TierRun(1, "remote", 32, 32)), 64)
+    p = cm.plan(lk, 16, LAYOUT)
+    assert p.name == "split"
+    assert p.load == p.option("split").load and [r.tier for r in p.load] == ["mem"] and p.load[0].count == 32
+    assert p.recompute_tokens == 32 * 16 and p.chosen.recompute_start == 32 * 16
+    assert p.predicted_ms["split"] < min(p.predicted_ms["full-reload"], p.predicted_ms["full-recompute"])
+
+
+def test_balanced_tier_pipelines_meeting_in_the_middle() -> None:
+    # Loading a block costs about as much as computing it: overlapping the two halves wins.
+    per_token_load = compute_s(1024, 0) / 1024
+    cm = model(link=TierProfile("link", latency_s=1e-3, bandwidth_Bps=BPT / per_token_load, overlap=0.0))
+    n = 64
+    p = cm.plan(one_tier("link", n), 16, LAYOUT)
+    assert p.name == "pipelined" and p.chosen.overlapped
+    k = p.chosen.recompute_tokens // 16
+    assert [r.start for r in p.load] == [k] and p.load[0].count == n - k
+    front = compute_s(k * 16, 0)
+    back = cm.profile("link").predict(n - k, (n - k) * BPB)
+    assert abs(front - back) < compute_s(32, 0) + 1e-3  # met within about one block's work
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_split_points_are_optimal(seed: int) -> None:
+    """The vectorised search equals a brute-force evaluation of every split point."""
+    rng = np.random.default_rng(seed)
+    t1 = TierProfile("a", latency_s=float(rng.uniform(1e-5, 1e-2)), bandwidth_Bps=float(rng.uniform(1e6, 1e9)),
+                     overlap=float(rng.uniform(0, 1)))
+    t2 = TierProfile("b", latency_s=float(rng.uniform(1e-5, 1e-2)), bandwidth_Bps=float(rng.uniform(1e6, 1e9)),
+                     overlap=float(rng.uniform(0, 1)))
+    cm = model(a=t1, b=t2)
+    na, nb, q = int(rng.integers(1, 40)), int(rng.integers(1, 40)), int(rng.integers(1, 100))
+    lk = Lookup((TierRun(0, "a", 0, na), TierRun(1, "b", na, nb)), na + nb)
+    p = cm.plan(lk, q, LAYOUT)
+    n = na + nb
+
+    def load(a: int, b: int) -> float:
+        s = 0.0
+        for prof, lo, hi in ((t1, 0, na), (t2, na, n)):
+            c = max(0, min(b, hi) - max(a, lo))
+            s += prof.predict(c, c * BPB)
+        return s
+
+    def eta(a: int, b: int) -> float:
+        parts = [(prof, max(0, min(b, hi) - max(a, lo))) for prof, lo, hi in ((t1, 0, na), (t2, na, n))]
+        w = [(prof.predict(c, c * BPB), prof.overlap) for prof, c in parts if c]
+        return sum(t * o for t, o in w) / sum(t for t, _ in w)
+
+    def asm(tokens: int) -> float:
+        return (tokens * BPT / 5e9) if tokens else 0.0
+
+    split = [load(0, k) + asm(k * 16) + compute_s((n - k) * 16 + q, k * 16) for k in range(1, n)]
+    pipe = []
+    for k in range(1, n):
+        f, b = compute_s(k * 16, 0), load(k, n)
+        pipe.append(max(f, b) + eta(k, n) * min(f, b) + asm((n - k) * 16) + 2 * asm(k * 16) + compute_s(q, n * 16))
+    assert p.predicted_ms["split"] == pytest.approx(min(split) * 1e3, rel=1e-6)
+    assert p.predicted_ms["pipelined"] == pytest.approx(min(pipe) * 1e3, rel=1e-6)
+    assert p.option("split").load[-1].start + p.option("split").load[-1].count == 1 + int(np.argmin(split))
+    assert p.option("pipelined").recompute_tokens == 16 * (1 + int(np.argmin(pipe)))
+    assert p.chosen.predicted_ms == min(p.predicted_ms.values())
+
+
+def test_uncached_blocks_are_computed_by_every_plan() -> None:
+    cm = model(fast=TierProfile("fast", latency_s=1e-4, bandwidth_Bps=1e10))
+    p = cm.plan(one_tier("fast", 8, requested=20), 5, LAYOUT)
+    assert all(o.tail_tokens == 12 * 16 + 5 for o in p.options)
+    assert p.predicted_ms["full-recompute"] == pytest.approx(compute_s(20 * 16 + 5, 0) * 1e3, rel=1e-6)
+
+
+def test_nothing_cached_leaves_only_recompute() -> None:
+    cm = model()
+    p = cm.plan(Lookup((), 10), 7, LAYOUT)
+    assert [o.name for o in p.options] == ["full-recompute"] and p.recompute_tokens == 0
+    one = cm.plan(Lookup((), 0), 1, LAYOUT)
+    assert one.name == "full-recompute"
+
+
+def test_single_block_has_no_split_point() -> None:
+    cm = model(fast=TierProfile("fast", latency_s=1e-4, bandwidth_Bps=1e10))
+    p = cm.plan(one_tier("fast", 1), 3, LAYOUT)
+    assert sorted(p.predicted_ms) == ["full-recompute", "full-reload"]
+    with pytest.raises(KeyError, match="not applicable"):
+        p.option("split")
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_bad_plan_requests_are_clear_errors() -> None:
+    cm = model(fast=TierProfile("fast", latency_s=1e-4, bandwidth_Bps=1e10))
+    with pytest.raises(ValueError, match="new_tokens must be >= 1"):
+        cm.plan(one_tier("fast", 4), 0, LAYOUT)
+    with pytest.raises(ConfigError, match="no profile for tier 'disk'"):
+        cm.plan(one_tier("disk", 4), 1, LAYOUT)
+    with pytest.raises(ValueError, match="only 2 were requested"):
+        cm.plan(one_tier("fast", 4, requested=2), 1, LAYOUT)
+    with pytest.raises(ValueError, match="contiguous"):
+        cm.plan(Lookup((TierRun(0, "fast", 1, 3),), 4), 1, LAYOUT)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: TierProfile("t", latency_s=0, bandwidth_Bps=0), "bandwidth_Bps must be positive"),
+        (lambda: TierProfile("t", latency_s=0, bandwidth_Bps=1, overlap=2), "overlap"),
+        (lambda: HostToDeviceProfile(-1), "bandwidth_Bps must be positive"),
+        (lambda: CostModel(PrefillProfile(*PREFILL), {}, decrypt_Bps=0), "decrypt_Bps"),
+        (lambda: CostModel(PrefillProfile(*PREFILL), {}, front_copies=-1), "front_copies"),
+    ],
+)
+def test_bad_profiles_rejected(make, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+# -- observations ----------------------------------------------------------------------------------
+def test_transfers_in_overlapped_threads_do_not_calibrate_the_tier() -> None:
+    cm = model(t=TierProfile("t", latency_s=1e-3, bandwidth_Bps=1e9))
+    assert cm.observe_transfer("t", 4, 4 * BPB, 0.01)
+    used: list[bool] = []
+
+    def loader() -> None:
+        with cm.overlapped():
+            used.append(cm.observe_transfer("t", 4, 4 * BPB, 5.0))
+
+    th = threading.Thread(target=loader)
+    th.start()
+    th.join()
+    assert used == [False] and cm.profile("t").observations == 1
+    assert not cm.observe_transfer("unknown", 1, BPB, 0.1)
+
+
+def test_encrypted_transfers_are_calibrated_net_of_decryption() -> None:
+    cm = model(t=TierProfile("t", latency_s=0.0, bandwidth_Bps=1e12, encrypted=True))
+    for n in (1, 4, 16, 64, 1, 4, 16, 64):
+        cm.observe_transfer("t", n, n * BPB, n * BPB / 1e8 + n * BPB / 1e9)  # transfer + decrypt
+    # One block size: per-block and per-byte cost are not separable, their sum is.
+    assert cm.profile("t").predict(32, 32 * BPB) == pytest.approx(32 * BPB / 1e8, rel=0.05)
+
+
+def test_pipelined_runs_calibrate_the_overlap_penalty() -> None:
+    per_token_load = compute_s(1024, 0) / 1024
+    cm = model(link=TierProfile("link", latency_s=1e-3, bandwidth_Bps=BPT / per_token_load, overlap=0.0))
+    p = cm.plan(one_tier("link", 64), 16, LAYOUT)
+    opt = p.option("pipelined")
+    front = float(cm.prefill.predict(opt.recompute_tokens, 0))
+    back = cm.profile("link").predict(opt.load_blocks, opt.load_blocks * BPB)
+    seen = cm.observe_overlap(opt, LAYOUT, front + back)  # no overlap at all: fully serialised
+    assert seen == pytest.approx(1.0, rel=1e-6)
+    assert cm.profile("link").overlap == pytest.approx(0.3)  # EWMA step from the prior 0.0
+    assert cm.observe_overlap(p.option("full-reload"), LAYOUT, 1.0) is None
+
+
+# -- the store's planning call ----------------------------------------------------------------------
+class _Fixed(Tier):
+    name = "fixed"
+
+    def contains(self, keys):  # the lookup only needs prefix lengths
+        return len(keys)
+
+    def get(self, keys):
+        raise AssertionError("plan() must not read blocks")
+
+    def put(self, blocks):
+        raise AssertionError
+
+    def delete(self, keys):
+        return 0
+
+    def delete_scope(self, domain):
+        return 0
+
+    def keys_in_scope(self, domain):
+        return []
+
+    def usage(self):
+        raise AssertionError
+
+
+def test_store_plan_needs_a_cost_model_and_reads_nothing() -> None:
+    from kvtier.store import TieredStore
+
+    store = TieredStore([_Fixed()], promote=False)
+    keys = [bytes([i]) * 56 for i in range(8)]
+    with pytest.raises(ConfigError, match="needs a cost model"):
+        store.plan(keys, 4, LAYOUT)
+    store.cost_model = model(fixed=TierProfile("fixed", latency_s=1e-4, bandwidth_Bps=1e10))
+    p = store.plan(keys, 4, LAYOUT)
+    assert p.cached_blocks == 8 and p.name == "full-reload"
+
+
+# -- analytic H200 profile -------------------------------------------------------------------------
+def test_h200_llama3_8b_profile() -> None:
+    cm, layout = h200_llama3_8b()
+    assert layout.bytes_per_token == 128 * 1024
+    assert cm.plan(one_tier("cpu", 256), 64, layout).name == "full-reload"
+    assert cm.plan(one_tier("s3", 8), 64, layout).name == "full-recompute"
+    long_s3 = cm.plan(one_tier("s3", 1024), 64, layout)
+    assert long_s3.predicted_ms["full-reload"] > long_s3.chosen.predicted_ms
