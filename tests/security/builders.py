@@ -13,17 +13,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lmdb
+import msgpack
 import torch
+import xxhash
 
+from kvtier import codec
 from kvtier.audit import AuditLog
 from kvtier.cache import CacheOptions, KVCache, RequestSegment, TimingMitigations
-from kvtier.crypto import FileKeyProvider, KeyRing, LmdbWrappedKeyStore, write_master_key
+from kvtier.crypto import FileKeyProvider, KeyRing, LmdbWrappedKeyStore, MirroredKeyStore, write_master_key
 from kvtier.keys import ChainBlock
 from kvtier.store import TieredStore
 from kvtier.tenancy import ROLE_ADMIN, ROLE_OPERATOR, ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.tier import Tier
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
+from storage_backends.s3_keys import S3WrappedKeyStore
 from tests.helpers import DERIVER, SMALL
 
 ALICE = Principal("acme", "alice", org="eng", session="s1")
@@ -63,7 +68,7 @@ class CacheRig:
     audit: AuditLog = field(init=False)
     policy: Policy = field(init=False)
     store: TieredStore = field(init=False)
-    key_store: LmdbWrappedKeyStore = field(init=False)
+    local_keys: LmdbWrappedKeyStore = field(init=False)
     master_key_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,7 +79,14 @@ class CacheRig:
         self.open()
 
     def open(self) -> None:
-        self.key_store = LmdbWrappedKeyStore(self.root / "keys")
+        self.local_keys = LmdbWrappedKeyStore(self.root / "keys")
+        s3 = None
+        self.key_store: Any = self.local_keys
+        if "s3" in self.kinds:
+            assert self.make_s3 is not None, "s3 rig needs the make_s3_tier fixture"
+            s3 = self.make_s3()
+            self.s3_keys = S3WrappedKeyStore(s3.config)
+            self.key_store = MirroredKeyStore(self.local_keys, self.s3_keys)
         self.keyring = KeyRing(FileKeyProvider(self.master_key_path), self.key_store)
         self.audit = AuditLog(self.root / "audit.log")
         self.policy = Policy(DERIVER, audit=self.audit)
@@ -85,8 +97,9 @@ class CacheRig:
             elif kind == "lmdb":
                 tiers.append(LmdbTier(self.root / "lmdb", 1 << 24, sealer=self.keyring))
             elif kind == "s3":
-                assert self.make_s3 is not None, "s3 rig needs the make_s3_tier fixture"
-                tiers.append(self.make_s3(sealer=self.keyring))
+                assert s3 is not None
+                s3.sealer = self.keyring  # the key ring mirrors into the same bucket, so it comes second
+                tiers.append(s3)
             else:
                 raise ValueError(kind)
         self.store = TieredStore(tiers)
@@ -97,7 +110,9 @@ class CacheRig:
 
     def close(self) -> None:
         self.store.close()
-        self.key_store.close()
+        self.local_keys.close()
+        if "s3" in self.kinds:
+            self.s3_keys.close()
         self.audit.close()
 
     def restart(self) -> KVCache:
@@ -119,3 +134,75 @@ class CacheRig:
 
 def files_under(root: Path) -> list[Path]:
     return [Path(d) / f for d, _, fs in os.walk(root) for f in fs]
+
+
+# -- attacker's tools: raw access to a tier's storage ---------------------------------------------
+def raw_record(rig: CacheRig, kind: str, key: bytes) -> bytes:
+    """The stored bytes of ``key`` as they sit on disk / in the bucket (an attacker with storage access)."""
+    tier = rig.tier(kind)
+    if kind == "lmdb":
+        db = tier.env.open_db(b"rec")
+        with tier.env.begin(db=db) as txn:
+            raw = txn.get(key)
+        assert raw is not None
+        return bytes(raw)
+    if kind == "s3":
+        return tier._client.get_object(Bucket=tier.config.bucket, Key=tier.namer.name(key))["Body"].read()
+    raise ValueError(kind)
+
+
+def plant(rig: CacheRig, kind: str, key: bytes, raw: bytes) -> None:
+    """Write ``raw`` under ``key`` behind the cache's back; LMDB is reopened so its index sees it."""
+    tier = rig.tier(kind)
+    if kind == "lmdb":
+        db = tier.env.open_db(b"rec")
+        with tier.env.begin(write=True, db=db) as txn:
+            txn.put(key, raw)
+        rig.restart()
+    elif kind == "s3":
+        tier._client.put_object(Bucket=tier.config.bucket, Key=tier.namer.name(key), Body=raw)
+    else:
+        raise ValueError(kind)
+
+
+def rehead(raw: bytes, **fields: Any) -> bytes:
+    """A record with header fields replaced and a valid (unkeyed) checksum, as a forger would make it."""
+    _, version, flags, hlen, _ = codec._PREFIX.unpack_from(raw, 0)
+    p = codec.PREFIX_BYTES
+    header = msgpack.unpackb(raw[p : p + hlen], raw=False)
+    header.update(fields)
+    body = raw[codec.parse_header(raw).payload_offset :]
+    new = msgpack.packb(header)
+    pad = codec._pad(p + len(new))
+    out = bytearray(p + len(new) + pad + len(body))
+    out[p : p + len(new)] = new
+    out[p + len(new) + pad :] = body
+    codec._PREFIX.pack_into(out, 0, codec.MAGIC, version, flags, len(new), xxhash.xxh3_64_intdigest(out[p:]))
+    return bytes(out)
+
+
+def bucket_names(rig: CacheRig) -> list[str]:
+    """Every object name under the rig's prefix (the session's bucket is shared by many tests)."""
+    tier = rig.tier("s3")
+    names: list[str] = []
+    pages = tier._client.get_paginator("list_objects_v2").paginate(Bucket=tier.config.bucket,
+                                                                   Prefix=f"{tier.config.prefix}/")
+    for page in pages:
+        names.extend(o["Key"] for o in page.get("Contents") or [])
+    return names
+
+
+def lmdb_keys(path: Path) -> dict[str, list[bytes]]:
+    """Every key of every named database in an LMDB environment, read with a fresh handle."""
+    env = lmdb.open(str(path), max_dbs=8, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            names = [bytes(k) for k, _ in txn.cursor()]
+        out = {}
+        for name in names:
+            db = env.open_db(name, create=False)
+            with env.begin(db=db) as txn:
+                out[name.decode()] = [bytes(k) for k, _ in txn.cursor()]
+        return out
+    finally:
+        env.close()
