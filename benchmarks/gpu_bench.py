@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     cpu_name = f"CPU ({platform.processor() or platform.machine()})"
     device_name = torch.cuda.get_device_name(engine.device) if cuda else cpu_name
     if not cuda:
-        progress("CUDA is absent: measuring the CPU fallback of the same classes (no pinning, no streams); "
+        progress("CUDA is absent: running the CPU fallback of the same classes (no pinning, no streams); "
                  "these are not GPU figures")  # fmt: skip
     progress(f"device {device_name}; copier: {info['copier_note']}")
 

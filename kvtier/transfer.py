@@ -134,8 +134,10 @@ DONE = Completion()
 class StagingBuffer:
     """One preallocated host buffer plus the page-id arrays that travel with its transfers.
 
-    ``fence`` is the completion of the last device work that read or wrote the buffer; the pool
-    hands a buffer out only once its fence is done. Mutated only by StagingPool under its lock.
+    ``fence`` is the completion of the last device work that read or wrote the buffer (DONE once
+    it has finished; a zero-byte lease's id rows are fenced too); the pool hands a buffer out only
+    once its fence is done, and counts ``fence_bytes`` as in flight until then. Mutated only by
+    StagingPool under its lock.
     """
 
     __slots__ = ("dev_ids", "fence", "fence_bytes", "host", "host_ids", "index")
@@ -258,7 +260,7 @@ class StagingPool:
                 if buf is not None:
                     self.waits += int(waited)
                     return StagingLease(self, buf, nbytes)
-                pending = next((b for b in self._free if b.fence_bytes), None)
+                pending = next((b for b in self._free if b.fence is not DONE), None)
                 if pending is None:
                     waited = True
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -275,7 +277,7 @@ class StagingPool:
 
     def _reap(self) -> None:
         for b in self._free:
-            if b.fence_bytes and b.fence.done():
+            if b.fence is not DONE and b.fence.done():
                 b.fence, b.fence_bytes = DONE, 0
 
     def _inflight(self) -> int:
@@ -285,7 +287,7 @@ class StagingPool:
         if self._inflight() + nbytes > self.config.inflight_limit:
             return None
         for b in self._free:
-            if not b.fence_bytes:
+            if b.fence is DONE:
                 self._free.remove(b)
                 self._lent_bytes += nbytes
                 self._lent += 1
@@ -371,6 +373,9 @@ class TorchPageCopier(PageCopier):
     def copy(
         self, src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor, dst_ids: torch.Tensor | None, n: int
     ) -> None:
+        word = _word_dtype(src, dst)
+        if word is not torch.uint8:  # index kernels move one element per step: use wide elements
+            src, dst = src.view(word), dst.view(word)
         if src_ids is not None and dst_ids is None and dst[:n].is_contiguous():
             torch.index_select(src, 0, src_ids, out=dst[:n])  # one pass, no temporary
             return
@@ -381,7 +386,18 @@ class TorchPageCopier(PageCopier):
             dst.index_copy_(0, dst_ids, picked)
 
 
+def _word_dtype(*rows: torch.Tensor) -> torch.dtype:
+    """The widest integer dtype every row, row stride and storage offset is a whole number of."""
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if all(t.shape[1] % size == 0 and t.stride(0) % size == 0 and t.storage_offset() % size == 0 for t in rows):
+            return dtype
+    return torch.uint8
+
+
 _CUPY_SOURCE = r"""
+// 16 bytes moved as one vector load/store; defined here so no CUDA header is needed.
+struct __align__(16) kvtier_word16 { unsigned long long lo, hi; };
+
 template <typename W>
 __device__ __forceinline__ void copy_pages(
     const unsigned char* __restrict__ src, long long src_stride, const long long* __restrict__ src_ids,
@@ -405,7 +421,7 @@ extern "C" __global__ void kvtier_copy_pages_16(
     const unsigned char* src, long long src_stride, const long long* src_ids,
     unsigned char* dst, long long dst_stride, const long long* dst_ids, long long words, long long n_pages)
 {
-    copy_pages<uint4>(src, src_stride, src_ids, dst, dst_stride, dst_ids, words, n_pages);
+    copy_pages<kvtier_word16>(src, src_stride, src_ids, dst, dst_stride, dst_ids, words, n_pages);
 }
 
 extern "C" __global__ void kvtier_copy_pages_1(

@@ -15,6 +15,7 @@ from kvtier.errors import ConfigError, TransferError
 from kvtier.transfer import (
     COPIERS,
     DONE,
+    Completion,
     StagingLease,
     TorchPageCopier,
     TransferConfig,
@@ -282,7 +283,7 @@ def reference_copy(src, src_ids, dst, dst_ids, n) -> None:
         dst[d] = src[s]
 
 
-@pytest.mark.parametrize("pb", [PB, 256])
+@pytest.mark.parametrize("pb", [PB, 256, 99, 6, 12])  # int64, int32, int16 and byte elements
 def test_torch_copier_matches_reference_loop(pb: int) -> None:
     src = random_pages(10, pb=2 * pb).view(10, 2, pb)[:, 1, :]  # strided rows
     for src_ids, dst_ids in [(None, None), ([9, 0, 4], None), (None, [5, 1, 2]), ([3, 3, 7], [0, 6, 2])]:
@@ -401,3 +402,44 @@ def test_copy_layers_device_to_device(device: str) -> None:
         assert torch.equal(dst[layer][[6, 1, 3]], pool.view(5, 3, 64)[[4, 0, 2], layer, :])
     with pytest.raises(TransferError, match="repeat"):
         eng.copy_layers(src_layers, [0, 1], dst, [2, 2])
+
+
+class DeviceWorkInFlight(Completion):
+    """Stands in for a CUDA event whose work has not run yet (no CUDA here): done once ``finish()``."""
+
+    __slots__ = ("_finished", "waited")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._finished = threading.Event()
+        self.waited = False
+
+    def finish(self) -> None:
+        self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self) -> None:
+        self.waited = True
+        assert self._finished.wait(5), "the pool waited on a fence nobody finishes"
+
+
+def test_fenced_buffers_are_not_reused_before_their_device_work_ends() -> None:
+    eng = small_engine(n_buffers=2)
+    pool = eng.staging
+    a, b = pool.acquire(1000), pool.acquire(0)  # b: a zero-byte lease, only its id rows in use
+    fa, fb = DeviceWorkInFlight(), DeviceWorkInFlight()
+    a.release(fa)
+    b.release(fb)
+    assert pool.inflight_bytes == 1000, "released bytes count until their fence is done"
+    fb.finish()
+    c = pool.acquire(10)  # b's buffer is clean now; a's is still being read by the device
+    assert not fa.waited and pool.inflight_bytes == 1010
+    finisher = threading.Timer(0.1, fa.finish)
+    finisher.start()
+    d = pool.acquire(10)  # only a's buffer is left: the pool waits on its fence, then lends it
+    assert fa.waited and fa.done()
+    c.release()
+    d.release()
+    assert pool.inflight_bytes == 0 and pool.lent == 0
