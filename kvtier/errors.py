@@ -57,3 +57,17 @@ class TransferError(KvtierError):
     """A host<->device transfer request is malformed or cannot be served: page ids out of range or
     duplicated as scatter targets, a batch larger than a staging buffer, mismatched page sizes, a
     staging buffer used after release, or back-pressure that did not clear within its timeout."""
+
+
+class InvalidRequest(KvtierError):
+    """A request is malformed: a key of the wrong width, chunks out of order, a payload whose size,
+    shape or checksum disagrees with its metadata. Nothing of the request is stored."""
+
+
+class Overloaded(KvtierError):
+    """A service is at a configured limit (in-flight bytes, concurrent calls) and refuses more for
+    now; the caller may retry later. Nothing was lost."""
+
+
+class DeadlineExceeded(TierUnavailable):
+    """A call ran past its deadline (the client's, or the server's own limit)."""

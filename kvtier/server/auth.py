@@ -1,0 +1,390 @@
+"""Authentication and call admission for the daemon: the one gate every RPC passes.
+
+``CallGate`` is a gRPC server interceptor. For every method except the standard health service it
+(1) verifies the capability token in ``authorization: Bearer <token>`` and checks the principal
+is not revoked, (2) admits the call under the concurrency limit, (3) gives it a ``Call``: the
+principal, a lease on the in-flight byte budget, and a deadline, and (4) maps kvtier's named
+exceptions to status codes on the way out. Request messages that do not parse become
+INVALID_ARGUMENT (gRPC's default would be INTERNAL). Servicer methods receive the ``Call`` in
+place of the raw context, so none of them can run unauthenticated by mistake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from kvtier.errors import (
+    AccessDenied,
+    AuthError,
+    ConfigError,
+    CorruptRecord,
+    DeadlineExceeded,
+    InvalidRequest,
+    KvtierError,
+    LayoutMismatch,
+    Overloaded,
+    RateLimited,
+    ScopeError,
+    TierUnavailable,
+)
+from kvtier.server.limits import ByteBudget, ConcurrencyLimit, Lease
+from kvtier.server.observability import ServerMetrics
+from kvtier.tenancy import Policy, Principal
+from kvtier.tokens import Ed25519SigningKey, Ed25519VerifyKey, HmacKey, TokenVerifier, VerifyKey
+
+log = logging.getLogger("kvtier.server")
+
+AUTH_METADATA = "authorization"
+BEARER = "Bearer "
+#: Methods anyone may call: the kubelet's gRPC probes carry no token.
+UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+MIN_HMAC_SECRET = 32
+
+#: kvtier exception -> status code, most specific first (the first isinstance match wins).
+STATUS_OF: tuple[tuple[type[KvtierError], grpc.StatusCode], ...] = (
+    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (RateLimited, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (AccessDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ScopeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (LayoutMismatch, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (CorruptRecord, grpc.StatusCode.DATA_LOSS),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (KvtierError, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_of(exc: KvtierError) -> grpc.StatusCode:
+    return next(code for cls, code in STATUS_OF if isinstance(exc, cls))
+
+
+# -- token keys -----------------------------------------------------------------------------------
+def _read_secret_file(path: str, field_name: str) -> bytes:
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as exc:
+        raise ConfigError(f"{field_name}: cannot read {p} ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{field_name}: {p} is not a regular file")
+    # Group read is allowed: Kubernetes mounts secrets group-readable for the pod's fsGroup.
+    if stat.S_IMODE(st.st_mode) & 0o007:
+        raise ConfigError(f"{field_name}: {p} is readable by others (mode {stat.S_IMODE(st.st_mode):04o}); chmod o-rwx")
+    return p.read_bytes()
+
+
+def hmac_key_from_file(path: str, field_name: str = "auth.token_key_file") -> HmacKey:
+    """The HMAC token key; its kid is a hash of the secret, so minter and daemon agree without config."""
+    secret = _read_secret_file(path, field_name).strip()
+    if len(secret) < MIN_HMAC_SECRET:
+        raise ConfigError(f"{field_name}: the token secret must be at least {MIN_HMAC_SECRET} bytes, got {len(secret)}")
+    kid = "hs-" + hashlib.sha256(b"kvtier-token-kid-v1\x00" + secret).hexdigest()[:16]
+    return HmacKey(kid, secret)
+
+
+def _ed25519_kid(public: Ed25519PublicKey) -> str:
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return "ed-" + hashlib.sha256(b"kvtier-token-kid-v1\x00" + raw).hexdigest()[:16]
+
+
+def ed25519_verify_key_from_file(path: str, field_name: str = "auth.ed25519_public_key_file") -> Ed25519VerifyKey:
+    p = Path(path)
+    try:
+        pem = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{field_name}: cannot read {p} ({exc.strerror})") from None
+    try:
+        public = serialization.load_pem_public_key(pem)
+    except ValueError:
+        raise ConfigError(f"{field_name}: {p} is not a PEM public key") from None
+    if not isinstance(public, Ed25519PublicKey):
+        raise ConfigError(f"{field_name}: {p} holds a {type(public).__name__}, not an Ed25519 public key")
+    return Ed25519VerifyKey(_ed25519_kid(public), public)
+
+
+def ed25519_signing_key_from_file(path: str, field_name: str = "--ed25519-private-key") -> Ed25519SigningKey:
+    pem = _read_secret_file(path, field_name)
+    try:
+        private = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError):
+        raise ConfigError(f"{field_name}: {path} is not an unencrypted PEM private key") from None
+    if not isinstance(private, Ed25519PrivateKey):
+        raise ConfigError(f"{field_name}: {path} holds a {type(private).__name__}, not an Ed25519 private key")
+    return Ed25519SigningKey(_ed25519_kid(private.public_key()), private)
+
+
+def verify_keys(token_key_file: str | None, ed25519_public_key_file: str | None) -> list[VerifyKey]:
+    keys: list[VerifyKey] = []
+    if token_key_file:
+        keys.append(hmac_key_from_file(token_key_file))
+    if ed25519_public_key_file:
+        keys.append(ed25519_verify_key_from_file(ed25519_public_key_file))
+    if not keys:
+        raise ConfigError("auth.token_key_file: no token verification key configured")
+    return keys
+
+
+# -- the per-call context -------------------------------------------------------------------------
+@dataclass(slots=True)
+class Call:
+    """What a servicer method knows about its call. Created by CallGate, one per RPC, and used
+    only by the thread serving that RPC (the lease is the one part safe from other threads)."""
+
+    method: str
+    principal: Principal
+    peer: str
+    lease: Lease
+    deadline: float
+    context: grpc.ServicerContext
+    started: float = field(default_factory=time.monotonic)
+
+    def check_deadline(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise DeadlineExceeded(f"{self.method} ran past its deadline")
+
+    def active(self) -> bool:
+        return self.context.is_active()
+
+
+class Malformed:
+    """What the gate's deserializers return for bytes that do not parse (gRPC treats a raised
+    error or None as INTERNAL; this lets the call end as INVALID_ARGUMENT instead)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:
+            return Malformed(type(exc).__name__)
+
+    return parse
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, Malformed):
+        raise InvalidRequest(f"request message does not parse ({request.reason})")
+    return request
+
+
+@dataclass(slots=True, frozen=True)
+class GateOptions:
+    max_rpc_seconds: float
+    metrics: ServerMetrics
+
+
+class CallGate(grpc.ServerInterceptor):
+    """Authenticates, admits and accounts every call; see the module docstring.
+
+    Invariants: a method outside UNAUTHENTICATED_METHODS runs only with a verified, unrevoked
+    principal; every admitted call leaves the concurrency limit and closes its lease exactly
+    once, however it ends (return, error, cancellation: the lease is also closed from gRPC's
+    termination callback). Shared state (limits, metrics) carries its own locks.
+    """
+
+    def __init__(
+        self,
+        verifier: TokenVerifier,
+        policy: Policy,
+        budget: ByteBudget,
+        limit: ConcurrencyLimit,
+        options: GateOptions,
+    ) -> None:
+        self.verifier = verifier
+        self.policy = policy
+        self.budget = budget
+        self.limit = limit
+        self.options = options
+        self.metrics = options.metrics
+        self._draining = False
+
+    def drain(self) -> None:
+        """Refuse new calls (UNAVAILABLE) while in-flight ones finish."""
+        self._draining = True
+
+    # -- interceptor ------------------------------------------------------------------------------
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or details.method in UNAUTHENTICATED_METHODS:
+            return handler
+        method = details.method
+        deser = _safe(handler.request_deserializer)
+        ser = handler.response_serializer
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary), deser, ser)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(self._server_stream(method, handler.unary_stream), deser, ser)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(self._client_stream(method, handler.stream_unary), deser, ser)
+        return grpc.stream_stream_rpc_method_handler(self._bidi(method, handler.stream_stream), deser, ser)
+
+    def _unary(self, method: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def behavior(request: Any, context: grpc.ServicerContext) -> Any:
+            call = self._begin(method, context)
+            try:
+                return inner(_parsed(request), call)
+            except KvtierError as exc:
+                self._fail(call, exc)
+            except grpc.RpcError:
+                # The client went away while we read its stream: not a crash, nothing to answer.
+                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
+                raise
+            except Exception:
+                self._crashed(call)
+                raise
+            finally:
+                self._end(call)
+
+        return behavior
+
+    def _server_stream(self, method: str, inner: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            call = self._begin(method, context)
+            try:
+                yield from inner(_parsed(request), call)
+            except KvtierError as exc:
+                self._fail(call, exc)
+            except grpc.RpcError:
+                # The client went away while we read its stream: not a crash, nothing to answer.
+                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
+                raise
+            except Exception:
+                self._crashed(call)
+                raise
+            finally:
+                self._end(call)
+
+        return behavior
+
+    def _client_stream(self, method: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            call = self._begin(method, context)
+            try:
+                return inner(self._requests(requests, call), call)
+            except KvtierError as exc:
+                self._fail(call, exc)
+            except grpc.RpcError:
+                # The client went away while we read its stream: not a crash, nothing to answer.
+                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
+                raise
+            except Exception:
+                self._crashed(call)
+                raise
+            finally:
+                self._end(call)
+
+        return behavior
+
+    def _bidi(self, method: str, inner: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            call = self._begin(method, context)
+            try:
+                yield from inner(self._requests(requests, call), call)
+            except KvtierError as exc:
+                self._fail(call, exc)
+            except grpc.RpcError:
+                # The client went away while we read its stream: not a crash, nothing to answer.
+                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
+                raise
+            except Exception:
+                self._crashed(call)
+                raise
+            finally:
+                self._end(call)
+
+        return behavior
+
+    @staticmethod
+    def _requests(requests: Iterator[Any], call: Call) -> Iterator[Any]:
+        for r in requests:
+            call.check_deadline()
+            yield _parsed(r)
+
+    # -- the gate ---------------------------------------------------------------------------------
+    def _begin(self, method: str, context: grpc.ServicerContext) -> Call:
+        self.metrics.call_started(method)
+        try:
+            if self._draining:
+                raise TierUnavailable("the daemon is shutting down")
+            principal = self.authenticate(context.invocation_metadata())
+            self.limit.try_enter()
+        except KvtierError as exc:
+            self.metrics.call_failed(method, status_of(exc).name)
+            self._log_refusal(method, context.peer(), exc)
+            context.abort(status_of(exc), str(exc))
+            raise AssertionError("unreachable: abort raises") from exc
+        now = time.monotonic()
+        remaining = context.time_remaining()
+        budget = self.options.max_rpc_seconds
+        if remaining is not None:
+            budget = min(budget, remaining)
+        call = Call(method, principal, context.peer(), self.budget.lease(context.peer()), now + budget, context)
+        # Runs when the RPC terminates for any reason, including a client that vanished while
+        # its handler was blocked: in-flight bytes must not outlive the call.
+        context.add_callback(call.lease.close)
+        return call
+
+    def authenticate(self, metadata: Any) -> Principal:
+        token = None
+        for k, v in metadata or ():
+            if k == AUTH_METADATA:
+                token = v
+                break
+        if not isinstance(token, str) or not token.startswith(BEARER):
+            raise AuthError("missing credential: send 'authorization: Bearer <token>'")
+        principal = self.verifier.principal(token[len(BEARER) :].strip())
+        self.policy.require_active(principal)
+        return principal
+
+    def _fail(self, call: Call, exc: KvtierError) -> None:
+        code = status_of(exc)
+        self.metrics.call_failed(call.method, code.name)
+        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS):
+            log.error("call failed", extra={"event": "call_failed", "method": call.method,
+                                            "principal": call.principal.id, "code": code.name, "error": str(exc)})
+        else:
+            log.info("call refused", extra={"event": "call_refused", "method": call.method,
+                                            "principal": call.principal.id, "code": code.name, "error": str(exc)})
+        call.context.abort(code, str(exc))
+
+    def _crashed(self, call: Call) -> None:
+        # A bug, not a refusal: gRPC answers UNKNOWN; the traceback goes to the log once, here.
+        self.metrics.call_failed(call.method, grpc.StatusCode.UNKNOWN.name)
+        log.exception("call crashed", extra={"event": "call_crashed", "method": call.method,
+                                             "principal": call.principal.id})
+
+    def _end(self, call: Call) -> None:
+        call.lease.close()
+        self.limit.exit()
+        self.metrics.call_finished(call.method, time.monotonic() - call.started)
+
+    @staticmethod
+    def _log_refusal(method: str, peer: str, exc: KvtierError) -> None:
+        log.info("call refused", extra={"event": "call_refused", "method": method, "peer": peer,
+                                        "code": status_of(exc).name, "error": str(exc)})

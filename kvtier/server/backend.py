@@ -1,0 +1,164 @@
+"""The storage side of a daemon, assembled from its configuration.
+
+``Backend.open(config)`` reads the deployment key material, opens the tiers (memory, LMDB, S3),
+the key ring that encrypts the disk and remote tiers, the policy (with its audit log, so
+revocations survive restarts), the TieredStore and the KVCache facade that performs purges.
+Everything opened is closed by ``close()`` in reverse order, also when opening fails half-way.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.audit import AuditLog
+from kvtier.cache import CacheOptions, KVCache
+from kvtier.config import DaemonConfig
+from kvtier.crypto import (
+    FileKeyProvider,
+    KeyRing,
+    LmdbWrappedKeyStore,
+    MirroredKeyStore,
+    WrappedKeyStore,
+    key_provider,
+)
+from kvtier.errors import ConfigError
+from kvtier.keys import DomainDeriver
+from kvtier.server.service import PurgeOutcome
+from kvtier.store import TieredStore
+from kvtier.tenancy import Policy, Principal
+from kvtier.tier import Tier
+from storage_backends.lmdb import LmdbTier
+from storage_backends.memory import MemoryTier
+from storage_backends.s3 import S3Config, S3Tier
+from storage_backends.s3_keys import S3WrappedKeyStore
+
+MIN_SERVER_SECRET = 16
+
+
+def read_server_secret(path: str) -> bytes:
+    """The scope-domain secret: surrounding whitespace ignored (files written by ``echo`` end in a newline)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+        raw = p.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"security.server_secret_file: cannot read {p} ({exc.strerror})") from None
+    # Group read is allowed for Kubernetes' fsGroup secret mounts; world read is not.
+    if stat.S_IMODE(st.st_mode) & 0o007:
+        raise ConfigError(f"security.server_secret_file: {p} is readable by others; chmod o-rwx")
+    if len(raw) < MIN_SERVER_SECRET:
+        raise ConfigError(f"security.server_secret_file: the secret must be at least {MIN_SERVER_SECRET} bytes")
+    return raw
+
+
+def s3_config(config: DaemonConfig) -> S3Config:
+    r = config.tiers.remote
+    assert r is not None
+    creds = {}
+    # The standard AWS variables (the DaemonSet fills them from a Secret); without them the
+    # S3Config defaults apply, which a SeaweedFS without IAM accepts.
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        creds = {"access_key": os.environ["AWS_ACCESS_KEY_ID"], "secret_key": os.environ["AWS_SECRET_ACCESS_KEY"]}
+    return S3Config(endpoint_url=r.endpoint, bucket=r.bucket, prefix=r.prefix, region=r.region,
+                    connect_timeout_s=r.connect_timeout_s, read_timeout_s=r.read_timeout_s, **creds)
+
+
+@dataclass(slots=True)
+class Backend:
+    """Store, policy, key ring and cache facade of one daemon.
+
+    Invariants: ``local_tiers`` are the store's tiers other than the remote one, fastest first;
+    ``_closers`` runs in reverse opening order exactly once (``close`` is idempotent). Built and
+    closed by the daemon's main thread; the parts themselves are thread-safe.
+    """
+
+    store: TieredStore
+    policy: Policy
+    cache: KVCache
+    local_tiers: list[Tier]
+    keyring: KeyRing | None
+    audit: AuditLog | None
+    _closers: list[Callable[[], object]] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, config: DaemonConfig) -> Backend:
+        closers: list[Callable[[], object]] = []
+        try:
+            return cls._open(config, closers)
+        except BaseException:
+            for close in reversed(closers):
+                close()
+            raise
+
+    @classmethod
+    def _open(cls, config: DaemonConfig, closers: list[Callable[[], object]]) -> Backend:
+        sec, tiers = config.security, config.tiers
+        deriver = DomainDeriver(read_server_secret(sec.server_secret_file))
+        audit = None
+        if config.audit_log_path:
+            audit = AuditLog(config.audit_log_path)
+            closers.append(audit.close)
+        policy = Policy(deriver, audit=audit)
+        s3cfg = s3_config(config) if tiers.remote is not None else None
+        keyring = None
+        if config.encrypting:
+            keyring = _keyring(config, s3cfg, closers)
+        local: list[Tier] = []
+        remote: S3Tier | None = None
+        try:
+            if tiers.memory is not None:
+                local.append(MemoryTier(tiers.memory.capacity_bytes, policy=tiers.memory.policy))
+            if tiers.disk is not None:
+                d = tiers.disk
+                local.append(LmdbTier(d.path, d.capacity_bytes, policy=d.policy, sync=d.sync,
+                                      sealer=keyring if sec.encrypt_disk else None))
+            if s3cfg is not None:
+                remote = S3Tier(s3cfg, sealer=keyring if sec.encrypt_remote else None)
+            if not local:
+                assert remote is not None
+                # Remote only: the remote tier is the store's one tier, written synchronously.
+                store = TieredStore([remote])
+                local = [remote]
+            else:
+                write_policy = tiers.remote.write_policy if tiers.remote is not None else "none"
+                store = TieredStore(local, remote=remote, write_policy=write_policy)
+        except BaseException:
+            for t in [*local, *([remote] if remote is not None else [])]:
+                t.close()
+            raise
+        closers.append(store.close)  # drains remote uploads, then closes every tier
+        cache = KVCache(store, (), policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path))
+        return cls(store, policy, cache, local, keyring, audit, closers)
+
+    def purge(self, actor: Principal, scope: str, reason: str) -> PurgeOutcome:
+        report = self.cache.purge(actor, scope)
+        return PurgeOutcome(bytes.fromhex(report.domain), dict(report.removed), report.keys_destroyed)
+
+    def close(self) -> None:
+        closers, self._closers = self._closers, []
+        for close in reversed(closers):
+            close()
+
+
+def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callable[[], object]]) -> KeyRing:
+    sec = config.security
+    if sec.master_key_file is not None:
+        provider = FileKeyProvider(sec.master_key_file)
+    else:
+        assert sec.master_key is not None
+        provider = key_provider(sec.master_key)
+    path = config.key_store_path
+    assert path is not None  # config validation guarantees it while encrypting
+    primary = LmdbWrappedKeyStore(path)
+    closers.append(primary.close)
+    store: WrappedKeyStore = primary
+    if s3cfg is not None:
+        # Other nodes sharing the bucket need this node's data keys to open its records.
+        store = MirroredKeyStore(primary, S3WrappedKeyStore(s3cfg))
+    ring = KeyRing(provider, store)
+    closers.append(ring.close)
+    return ring

@@ -1,0 +1,243 @@
+"""``kvtier serve``: the per-node gRPC cache daemon, and the ``Daemon`` class tests embed.
+
+Lifecycle: ``Daemon(config)`` opens the backend (tiers, keys, policy) -> ``start()`` binds the
+gRPC port (plus /metrics when configured) and reports SERVING on the standard health service ->
+``stop()`` reports NOT_SERVING, refuses new calls, lets in-flight calls (puts included) finish
+within the grace period, then closes the store (which drains pending remote uploads) and the
+rest of the backend. ``kvtier serve`` runs that on the main thread and stops on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvtier.config import DaemonConfig, load_config
+from kvtier.errors import ConfigError
+from kvtier.server import kvtier_pb2 as pb
+from kvtier.server import kvtier_pb2_grpc as pb_grpc
+from kvtier.server.auth import CallGate, GateOptions, verify_keys
+from kvtier.server.backend import Backend
+from kvtier.server.limits import ByteBudget, ConcurrencyLimit
+from kvtier.server.observability import (
+    DaemonCollector,
+    MetricsEndpoint,
+    ServerGauges,
+    ServerMetrics,
+    configure_logging,
+)
+from kvtier.server.service import KvCacheService, ServiceLimits, ServiceParts
+from kvtier.tokens import TokenVerifier
+
+log = logging.getLogger("kvtier.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
+#: Worker threads beyond the cache-call limit: health probes and refusals must never queue
+#: behind cache calls.
+HEADROOM_THREADS = 8
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Channel arguments of the daemon (and, mirrored, of its clients): explicit size limits."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Two daemons must not share a port silently (SO_REUSEPORT would split the traffic).
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def _read(path: str, field_name: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{field_name}: cannot read {path} ({exc.strerror})") from None
+
+
+class Daemon:
+    """One cache daemon. See the module docstring for its lifecycle.
+
+    Invariants: ``start`` and ``stop`` are called from one thread (the owner); ``stop`` is
+    idempotent; after ``stop`` returns no call is running and every tier is closed. The backend
+    is opened by the constructor, so a bad configuration or unreadable key fails before any port
+    is bound.
+    """
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        s = config.server
+        self.backend = Backend.open(config)
+        try:
+            a = config.auth
+            self.verifier = TokenVerifier(verify_keys(a.token_key_file, a.ed25519_public_key_file),
+                                          audience=a.audience, max_lifetime_s=a.max_token_lifetime_s)
+        except BaseException:
+            self.backend.close()
+            raise
+        self.metrics = ServerMetrics()
+        self.budget = ByteBudget(s.max_inflight_bytes, s.max_inflight_bytes_per_client)
+        self.concurrency = ConcurrencyLimit(s.max_concurrent_rpcs)
+        self.gate = CallGate(self.verifier, self.backend.policy, self.budget, self.concurrency,
+                             GateOptions(s.max_rpc_seconds, self.metrics))
+        self.service = KvCacheService(ServiceParts(
+            store=self.backend.store, policy=self.backend.policy, local_tiers=self.backend.local_tiers,
+            purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
+            limits=ServiceLimits(chunk_bytes=s.chunk_bytes),
+        ))
+        self.health = health.HealthServicer()
+        self._server: grpc.Server | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._stopped = threading.Event()
+        self.port = 0
+
+    @property
+    def store(self) -> Any:
+        return self.backend.store
+
+    @property
+    def address(self) -> str:
+        host = self.config.server.listen.rsplit(":", 1)[0]
+        if host in ("0.0.0.0", "[::]", ""):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_endpoint.port if self._metrics_endpoint is not None else None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> Daemon:
+        s = self.config.server
+        workers = s.max_concurrent_rpcs + HEADROOM_THREADS
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-rpc"),
+            interceptors=[self.gate],
+            options=server_options(s.max_message_bytes),
+            # gRPC's own limit is a backstop at the pool size: beyond it calls would only queue.
+            maximum_concurrent_rpcs=workers,
+        )
+        pb_grpc.add_KvCacheServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if s.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                server,
+            )
+        try:
+            self.port = self._bind(server)
+        except BaseException:
+            self.backend.close()
+            raise
+        server.start()
+        self._server = server
+        if s.metrics_listen:
+            host, port = s.metrics_listen.rsplit(":", 1)
+            collector = DaemonCollector(self.backend.store.tiers, {t.name for t in self.backend.local_tiers},
+                                        self.metrics, ServerGauges(lambda: self.budget.in_flight,
+                                                                   lambda: self.concurrency.active,
+                                                                   lambda: self.budget.refused,
+                                                                   lambda: self.concurrency.refused))
+            self._metrics_endpoint = MetricsEndpoint(collector, host.strip("[]"), int(port))
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", extra={"event": "serving", "address": self.address, "port": self.port,
+                                   "metrics_port": self.metrics_port, "tls": s.tls_cert is not None,
+                                   "mtls": s.tls_client_ca is not None,
+                                   "tiers": [t.name for t in self.backend.store.tiers]})
+        return self
+
+    def _bind(self, server: grpc.Server) -> int:
+        s = self.config.server
+        if s.tls_cert is not None and s.tls_key is not None:
+            ca = _read(s.tls_client_ca, "server.tls_client_ca") if s.tls_client_ca else None
+            creds = grpc.ssl_server_credentials(
+                [(_read(s.tls_key, "server.tls_key"), _read(s.tls_cert, "server.tls_cert"))],
+                root_certificates=ca, require_client_auth=ca is not None,
+            )
+            port = server.add_secure_port(s.listen, creds)
+        else:
+            port = server.add_insecure_port(s.listen)
+        if not port:
+            raise ConfigError(f"server.listen: cannot listen on {s.listen} (in use or not a local address)")
+        return port
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain and close. In-flight calls get ``grace_s`` (default: server.shutdown_grace_s)."""
+        if self._stopped.is_set():
+            return
+        grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
+        t0 = time.monotonic()
+        self.health.enter_graceful_shutdown()
+        self.gate.drain()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.close()
+        self.backend.close()
+        self._stopped.set()
+        log.info("stopped", extra={"event": "stopped", "drain_s": round(time.monotonic() - t0, 3)})
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._stopped.wait(timeout_s)
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace_s=0)
+
+
+# -- CLI --------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FILE", help="daemon configuration (TOML)")
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="once serving, write {pid, port, metrics_port} as JSON to PATH (for scripts and tests)")
+    p.add_argument("--check", action="store_true", help="validate the configuration and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.check:
+        print(f"{args.config}: ok")
+        return 0
+    handler = configure_logging(config.server.log_level)
+    try:
+        daemon = Daemon(config).start()
+        stop = threading.Event()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            log.info("signal", extra={"event": "signal", "signal": signal.Signals(signum).name})
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        if args.ready_file:
+            _write_ready(Path(args.ready_file), daemon)
+        stop.wait()
+        daemon.stop()
+        return 0
+    finally:
+        logging.getLogger("kvtier").removeHandler(handler)
+
+
+def _write_ready(path: Path, daemon: Daemon) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "port": daemon.port, "address": daemon.address,
+                               "metrics_port": daemon.metrics_port}))
+    os.replace(tmp, path)  # readers never see a half-written file

@@ -1,0 +1,141 @@
+"""Admission control for the daemon: in-flight payload bytes and concurrent calls.
+
+Both limits refuse instead of queueing: a call over a limit fails at once with Overloaded
+(RESOURCE_EXHAUSTED on the wire), so memory stays bounded and the client decides when to retry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from kvtier.errors import Overloaded
+
+
+class ByteBudget:
+    """Payload bytes buffered by the server (put reassembly, get read-ahead), globally and per client.
+
+    Invariants (under ``_lock``): ``_total == sum(_by_client.values())``; ``_total <= limit`` and
+    every client's share ``<= per_client``; clients holding nothing have no entry. Only Leases
+    mutate it (reserve/release through ``_take``/``_give``).
+    """
+
+    def __init__(self, limit: int, per_client: int) -> None:
+        if limit <= 0 or per_client <= 0:
+            raise ValueError("ByteBudget limits must be positive")
+        self.limit = limit
+        self.per_client = min(per_client, limit)
+        self._lock = threading.Lock()
+        self._total = 0
+        self._by_client: Counter[str] = Counter()
+        self.refused = 0
+
+    def lease(self, client: str) -> Lease:
+        return Lease(self, client)
+
+    def _take(self, client: str, n: int) -> None:
+        with self._lock:
+            mine = self._by_client[client]
+            if mine + n > self.per_client:
+                self.refused += 1
+                if mine == 0:
+                    del self._by_client[client]
+                raise Overloaded(
+                    f"client would hold {mine + n} in-flight bytes; the per-client limit is {self.per_client}"
+                )
+            if self._total + n > self.limit:
+                self.refused += 1
+                if mine == 0:
+                    del self._by_client[client]
+                raise Overloaded(f"server in-flight bytes would reach {self._total + n}; the limit is {self.limit}")
+            self._by_client[client] = mine + n
+            self._total += n
+
+    def _give(self, client: str, n: int) -> None:
+        with self._lock:
+            left = self._by_client[client] - n
+            assert left >= 0, "released more in-flight bytes than reserved"
+            if left:
+                self._by_client[client] = left
+            else:
+                del self._by_client[client]
+            self._total -= n
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._total
+
+    def held_by(self, client: str) -> int:
+        with self._lock:
+            return self._by_client.get(client, 0)
+
+
+class Lease:
+    """One call's share of a ByteBudget. ``close()`` returns whatever is still held; it is
+    idempotent and safe from any thread, so both the call's own ``finally`` and gRPC's
+    termination callback (client gone) may run it.
+
+    Invariant (under ``_lock``): ``held`` is what this call reserved and has not released.
+    """
+
+    __slots__ = ("_budget", "_closed", "_lock", "client", "held")
+
+    def __init__(self, budget: ByteBudget, client: str) -> None:
+        self._budget = budget
+        self.client = client
+        self.held = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def reserve(self, n: int) -> None:
+        """Hold ``n`` more bytes or raise Overloaded (holding nothing more)."""
+        if n <= 0:
+            return
+        with self._lock:
+            if self._closed:
+                raise Overloaded("call already finished")
+            self._budget._take(self.client, n)
+            self.held += n
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            n = min(n, self.held)
+            if n <= 0:
+                return
+            self.held -= n
+            self._budget._give(self.client, n)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self.held:
+                self._budget._give(self.client, self.held)
+                self.held = 0
+
+
+class ConcurrencyLimit:
+    """At most ``limit`` calls at once; ``try_enter`` refuses (Overloaded) rather than waits.
+
+    Invariant (under ``_lock``): ``0 <= active <= limit``.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError("ConcurrencyLimit must be positive")
+        self.limit = limit
+        self.active = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def try_enter(self) -> None:
+        with self._lock:
+            if self.active >= self.limit:
+                self.refused += 1
+                raise Overloaded(f"{self.active} calls in progress; the limit is {self.limit}")
+            self.active += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            assert self.active > 0
+            self.active -= 1

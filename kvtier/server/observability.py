@@ -1,0 +1,230 @@
+"""Observability of the daemon: server counters, a Prometheus /metrics endpoint, JSON-lines logs.
+
+Metrics are read from the live objects at scrape time (TierMetrics snapshots, tier usage, the
+byte budget), so nothing is double-counted and nothing has to be pushed. Per-scope usage is
+labelled by the opaque scope-domain id, never by a tenant name; logs carry principal ids and
+status codes, never key material, tokens or block keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from kvtier.metrics import LATENCY_BUCKETS, Histogram
+from kvtier.tier import Tier
+
+
+class ServerMetrics:
+    """Per-method call counters and latency; failures by status code.
+
+    Invariant: every counter only grows; all mutation happens under ``_lock``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls: Counter[str] = Counter()
+        self.failures: Counter[tuple[str, str]] = Counter()
+        self.latency: dict[str, Histogram] = {}
+
+    def call_started(self, method: str) -> None:
+        with self._lock:
+            self.calls[_short(method)] += 1
+
+    def call_failed(self, method: str, code: str) -> None:
+        with self._lock:
+            self.failures[(_short(method), code)] += 1
+
+    def call_finished(self, method: str, seconds: float) -> None:
+        with self._lock:
+            self.latency.setdefault(_short(method), Histogram()).observe(seconds)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            errors: Counter[str] = Counter()
+            for (_, code), n in self.failures.items():
+                errors[code] += n
+            return {
+                "calls": dict(self.calls),
+                "errors": dict(errors),
+                "failures": {f"{m}:{c}": n for (m, c), n in self.failures.items()},
+                "latency": {m: (list(h.counts), h.total, h.n) for m, h in self.latency.items()},
+            }
+
+
+def _short(method: str) -> str:
+    return method.rsplit("/", 1)[-1]
+
+
+@dataclass(slots=True, frozen=True)
+class ServerGauges:
+    """Live values the collector reads at scrape time."""
+
+    inflight_bytes: Callable[[], int]
+    active_rpcs: Callable[[], int]
+    refused_bytes: Callable[[], int]
+    refused_concurrency: Callable[[], int]
+
+
+class DaemonCollector(Collector):
+    """Prometheus view of the daemon: per-tier hits/misses/bytes/latency/errors/usage, per-scope
+    usage, per-method calls/errors/latency, in-flight bytes and admission refusals.
+
+    ``usage_tiers`` names the tiers whose usage() is cheap (local ones); the remote tier's would
+    list a bucket on every scrape, so it is left out.
+    """
+
+    def __init__(
+        self, tiers: Sequence[Tier], usage_tiers: set[str], server: ServerMetrics, gauges: ServerGauges
+    ) -> None:
+        self.tiers = list(tiers)
+        self.usage_tiers = usage_tiers
+        self.server = server
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Any]:
+        yield from self._tier_metrics()
+        yield from self._server_metrics()
+
+    def _tier_metrics(self) -> Iterator[Any]:
+        simple = {
+            name: CounterMetricFamily(f"kvtier_tier_{name}", f"Tier {name.replace('_', ' ')}", labels=["tier"])
+            for name in ("hits", "misses", "bytes_in", "bytes_out", "puts", "evictions")
+        }
+        errors = CounterMetricFamily("kvtier_tier_errors", "Tier errors by cause", labels=["tier", "cause"])
+        latency = HistogramMetricFamily("kvtier_tier_latency_seconds", "Tier operation latency",
+                                        labels=["tier", "op"])
+        blocks = GaugeMetricFamily("kvtier_tier_blocks", "Blocks stored", labels=["tier"])
+        used = GaugeMetricFamily("kvtier_tier_bytes", "Bytes stored", labels=["tier"])
+        cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Byte budget", labels=["tier"])
+        scope = GaugeMetricFamily("kvtier_scope_bytes", "Bytes stored per scope domain (opaque id)",
+                                  labels=["tier", "domain"])
+        for t in self.tiers:
+            snap = t.metrics.snapshot()
+            for name, fam in simple.items():
+                fam.add_metric([t.name], float(snap[name]))
+            for cause, n in snap["errors"].items():
+                errors.add_metric([t.name, cause], float(n))
+            for op, h in snap["latency"].items():
+                latency.add_metric([t.name, op], _buckets(h["buckets"]), h["sum_s"])
+            if t.name in self.usage_tiers:
+                u = t.usage()
+                blocks.add_metric([t.name], float(u.blocks))
+                used.add_metric([t.name], float(u.bytes))
+                if u.capacity_bytes is not None:
+                    cap.add_metric([t.name], float(u.capacity_bytes))
+                for dom, n in u.by_domain.items():
+                    scope.add_metric([t.name, dom.hex()], float(n))
+        yield from simple.values()
+        yield from (errors, latency, blocks, used, cap, scope)
+
+    def _server_metrics(self) -> Iterator[Any]:
+        snap = self.server.snapshot()
+        calls = CounterMetricFamily("kvtier_rpc_calls", "RPCs received", labels=["method"])
+        for m, n in snap["calls"].items():
+            calls.add_metric([m], float(n))
+        errs = CounterMetricFamily("kvtier_rpc_errors", "RPCs that failed, by status code", labels=["method", "code"])
+        for key, n in snap["failures"].items():
+            m, code = key.split(":", 1)
+            errs.add_metric([m, code], float(n))
+        lat = HistogramMetricFamily("kvtier_rpc_latency_seconds", "RPC latency", labels=["method"])
+        for m, (counts, total, _) in snap["latency"].items():
+            lat.add_metric([m], _buckets(counts), total)
+        g = self.gauges
+        inflight = GaugeMetricFamily("kvtier_inflight_bytes", "Payload bytes buffered by in-flight calls")
+        inflight.add_metric([], float(g.inflight_bytes()))
+        active = GaugeMetricFamily("kvtier_active_rpcs", "Cache RPCs in progress")
+        active.add_metric([], float(g.active_rpcs()))
+        refused = CounterMetricFamily("kvtier_overload_refusals", "Calls refused by a limit", labels=["limit"])
+        refused.add_metric(["inflight_bytes"], float(g.refused_bytes()))
+        refused.add_metric(["concurrency"], float(g.refused_concurrency()))
+        yield from (calls, errs, lat, inflight, active, refused)
+
+
+def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:
+    """kvtier's per-bucket counts -> Prometheus cumulative buckets ending in +Inf."""
+    out = []
+    acc = 0
+    for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+        acc += n
+        out.append(("+Inf" if bound == float("inf") else repr(bound), float(acc)))
+    return out
+
+
+class MetricsEndpoint:
+    """The /metrics HTTP listener (prometheus_client's WSGI server on its own registry)."""
+
+    def __init__(self, collector: Collector, host: str, port: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+# -- structured logs ------------------------------------------------------------------------------
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the record's ``extra`` fields.
+
+    Bytes values are never written (a key or secret must not reach a log by accident); they
+    appear as ``<n bytes>``.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for k, v in record.__dict__.items():
+            if k not in _STANDARD and not k.startswith("_"):
+                out[k] = _loggable(v)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, separators=(",", ":"))
+
+
+def _loggable(v: Any) -> Any:
+    if isinstance(v, bytes | bytearray | memoryview):
+        return f"<{len(v)} bytes>"
+    if isinstance(v, dict):
+        return {str(k): _loggable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_loggable(x) for x in v]
+    return v
+
+
+def configure_logging(level: str, stream: Any = None) -> logging.Handler:
+    """JSON lines on stderr for the ``kvtier`` loggers; returns the handler (to remove it later)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("kvtier")
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    root.propagate = False
+    return handler
+
+
+def uptime_since(t0: float) -> float:
+    return time.monotonic() - t0

@@ -1,0 +1,368 @@
+"""A ``kvtier serve`` daemon used as a tier: an engine chains ``[GPU] -> [local CPU] -> [daemon]``.
+
+``GrpcTier`` implements the Tier contract over the daemon's KvCache service. Keys must be derived
+with the domains the daemon hands out (``domains()``: the caller's own scopes only; the server
+secret never leaves the daemon), so ``block_chain(layout, segments, tier.domains())`` works like
+``block_chain`` with a local DomainDeriver.
+
+Failure model (as for the S3 tier): the engine-facing calls (contains, get, get_into, put) never
+raise when the daemon is unreachable, slow or overloaded; they return misses / rejected puts and
+count the cause in ``metrics.errors`` (``unavailable``, ``timeout``, ``overloaded``, ``corrupt``).
+Credentials and requests that are wrong (UNAUTHENTICATED, PERMISSION_DENIED, INVALID_ARGUMENT)
+raise the matching kvtier exception: retrying cannot fix them. Administrative calls (delete,
+delete_scope, keys_in_scope, usage, purge, revoke, stats) raise on every failure.
+Every block is verified end to end: the daemon sends the xxh3 of each payload and a block whose
+bytes do not match is a counted miss, never returned.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from kvtier.block import Block, BlockMeta
+from kvtier.errors import (
+    AccessDenied,
+    AuthError,
+    ConfigError,
+    CorruptRecord,
+    DeadlineExceeded,
+    InvalidRequest,
+    KvtierError,
+    LayoutMismatch,
+    Overloaded,
+    ScopeError,
+    TierUnavailable,
+)
+from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
+from kvtier.layout import DTYPES
+from kvtier.server import kvtier_pb2 as pb
+from kvtier.server import kvtier_pb2_grpc as pb_grpc
+from kvtier.server.wire import BlockAssembler, block_chunks
+from kvtier.tier import PutResult, Tier, TierUsage
+
+#: Status code -> the kvtier exception it stands for.
+ERROR_OF: dict[grpc.StatusCode, type[KvtierError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAVAILABLE: TierUnavailable,
+    grpc.StatusCode.DATA_LOSS: CorruptRecord,
+    grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
+}
+#: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause.
+DEGRADED: tuple[tuple[type[KvtierError], str], ...] = (
+    (DeadlineExceeded, "timeout"),
+    (TierUnavailable, "unavailable"),
+    (Overloaded, "overloaded"),
+)
+
+
+def error_from(exc: grpc.RpcError) -> KvtierError:
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    cls = ERROR_OF.get(code, TierUnavailable)  # UNKNOWN/INTERNAL/CANCELLED: the daemon failed
+    return cls(f"daemon answered {code.name}: {details}")
+
+
+TokenSource = str | Callable[[], str]
+
+
+@dataclass(slots=True, frozen=True)
+class GrpcTierConfig:
+    """How to reach a daemon. ``token`` may be a callable so long-running engines can refresh it."""
+
+    target: str
+    token: TokenSource
+    #: PEM CA bundle that signed the daemon's certificate; None: plaintext (loopback, trusted nets).
+    tls_ca: bytes | None = None
+    #: PEM client certificate and key for mutual TLS.
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    #: Expected name in the daemon's certificate when it differs from the target host.
+    tls_server_name: str | None = None
+    chunk_bytes: int = 1 << 20
+    max_message_bytes: int = 64 << 20
+    #: Deadline of each call (a whole Get or Put stream included).
+    timeout_s: float = 30.0
+    #: Attempts of a call that failed with UNAVAILABLE before any response arrived (gRPC retries).
+    max_attempts: int = 3
+    name: str = "daemon"
+
+    def validate(self) -> None:
+        if not self.target or ":" not in self.target:
+            raise ConfigError(f"GrpcTierConfig.target: expected host:port, got {self.target!r}")
+        if not 4096 <= self.chunk_bytes <= self.max_message_bytes - (64 << 10):
+            raise ConfigError("GrpcTierConfig.chunk_bytes: must be >= 4096 and 64 KiB below max_message_bytes")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("GrpcTierConfig.tls_cert: tls_cert and tls_key go together")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ConfigError("GrpcTierConfig.tls_ca: mutual TLS needs the daemon's CA too")
+        if not self.timeout_s > 0:
+            raise ConfigError("GrpcTierConfig.timeout_s must be positive")
+        if not 1 <= self.max_attempts <= 5:
+            raise ConfigError("GrpcTierConfig.max_attempts must be in [1, 5]")
+
+    def channel(self) -> grpc.Channel:
+        service = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
+        retry = {"methodConfig": [{
+            "name": [{"service": service}],
+            "retryPolicy": {"maxAttempts": self.max_attempts, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        }]}
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps(retry)),
+            ("grpc.keepalive_time_ms", 30_000),
+        ]
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        if self.tls_ca is None:
+            return grpc.insecure_channel(self.target, options=options)
+        creds = grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
+        return grpc.secure_channel(self.target, creds, options=options)
+
+
+@dataclass(slots=True, frozen=True)
+class ScopeGrant:
+    """One of the caller's scopes as the daemon reports it."""
+
+    scope: Scope
+    domain: ScopeDomain
+    may_read: bool
+    may_write: bool
+    may_delete: bool
+
+
+class DomainTable:
+    """The caller's scope -> domain map, fetched from the daemon; a drop-in for DomainDeriver in
+    ``keys.block_chain``. Asking for a scope the caller does not have raises ScopeError."""
+
+    def __init__(self, principal: str, grants: Sequence[ScopeGrant]) -> None:
+        self.principal = principal
+        self.grants = {g.scope: g for g in grants}
+
+    def domain(self, scope: Scope) -> ScopeDomain:
+        g = self.grants.get(scope)
+        if g is None:
+            raise ScopeError(f"scope {scope} is not one of principal {self.principal}'s scopes")
+        return g.domain
+
+    def own(self, kind: ScopeKind | str) -> Scope:
+        """The caller's scope of a kind (``"user"`` -> ``user:<tenant>/<user>``)."""
+        k = kind if isinstance(kind, ScopeKind) else ScopeKind[str(kind).upper()]
+        for s in self.grants:
+            if s.kind is k:
+                return s
+        raise ScopeError(f"principal {self.principal} has no {k.name.lower()} scope")
+
+    def __repr__(self) -> str:
+        return f"DomainTable({self.principal}, {len(self.grants)} scopes)"
+
+
+class GrpcTier(Tier):
+    """The daemon behind one gRPC channel. See the module docstring for the failure model.
+
+    Thread-safe: the channel and stubs are; ``_domains`` is set once under ``_lock``. Pins are
+    per process: this tier's PinTable cannot pin blocks inside the daemon (the daemon pins what
+    it is streaming itself), so a local pin does not stop another client from evicting there.
+    """
+
+    def __init__(self, config: GrpcTierConfig) -> None:
+        config.validate()
+        self.name = config.name
+        super().__init__()
+        self.config = config
+        self._channel = config.channel()
+        self._stub = pb_grpc.KvCacheStub(self._channel)
+        self._lock = threading.Lock()
+        self._domains: DomainTable | None = None
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        tok = self.config.token() if callable(self.config.token) else self.config.token
+        return (("authorization", f"Bearer {tok}"),)
+
+    def _unary(self, method: str, request: Any) -> Any:
+        """One unary call; every failure becomes the matching kvtier exception."""
+        fn = getattr(self._stub, method)
+        t0 = time.perf_counter()
+        try:
+            return fn(request, timeout=self.config.timeout_s, metadata=self._metadata())
+        except grpc.RpcError as exc:
+            raise error_from(exc) from None
+        finally:
+            self.metrics.observe(method.lower(), time.perf_counter() - t0)
+
+    def _degrade(self, exc: KvtierError) -> bool:
+        """Count an engine-facing failure that becomes a miss; False when it must propagate."""
+        for cls, cause in DEGRADED:
+            if isinstance(exc, cls):
+                self.metrics.error(cause)
+                return True
+        return False
+
+    # -- domains ----------------------------------------------------------------------------------
+    def domains(self, *, refresh: bool = False) -> DomainTable:
+        """The caller's scopes and their domain ids (cached; ``refresh`` after a token change)."""
+        with self._lock:
+            if self._domains is not None and not refresh:
+                return self._domains
+        resp = self._unary("Domains", pb.DomainsRequest())
+        grants = [ScopeGrant(Scope.parse(e.scope), ScopeDomain(e.domain), e.may_read, e.may_write, e.may_delete)
+                  for e in resp.scopes]
+        table = DomainTable(resp.principal, grants)
+        with self._lock:
+            self._domains = table
+        return table
+
+    # -- contract ---------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[BlockKey]) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(self._unary("Lookup", pb.LookupRequest(keys=list(keys))).length)
+        except KvtierError as exc:
+            if self._degrade(exc):
+                return 0
+            raise
+
+    def lookup(self, keys: Sequence[BlockKey]) -> pb.LookupResponse:
+        """The daemon's full answer: prefix length, the tier runs behind it, readable keys."""
+        return self._unary("Lookup", pb.LookupRequest(keys=list(keys)))
+
+    def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
+        return self._read(keys, None, pb.GET_MODE_EACH)
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[Block | None]:
+        assert len(outs) == len(keys)
+        return self._read(keys, outs, pb.GET_MODE_EACH)
+
+    def get_prefix(self, keys: Sequence[BlockKey]) -> list[Block]:
+        """The longest cached prefix in one call (the daemon promotes hits toward its fast tiers)."""
+        return [b for b in self._read(keys, None, pb.GET_MODE_PREFIX) if b is not None]
+
+    def _read(
+        self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int
+    ) -> list[Block | None]:
+        out: list[Block | None] = [None] * len(keys)
+        if not keys:
+            return out
+        t0 = time.perf_counter()
+
+        def allocate(pos: int, meta: BlockMeta) -> torch.Tensor:
+            if not 0 <= pos < len(keys) or meta.key != keys[pos] or out[pos] is not None:
+                raise InvalidRequest(f"daemon sent block for position {pos} that was not asked for")
+            if outs is not None:
+                return outs[pos]  # the assembler checks dtype/shape and raises LayoutMismatch
+            return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
+
+        asm = BlockAssembler(allocate)
+        stream = self._stub.Get(pb.GetRequest(keys=list(keys), mode=mode), timeout=self.config.timeout_s,
+                                metadata=self._metadata())
+        try:
+            for chunk in stream:
+                done = asm.feed(chunk)
+                if done is not None:
+                    out[done[0]] = done[1]
+        except grpc.RpcError as exc:
+            err = error_from(exc)
+            if not self._degrade(err):
+                raise err from None
+        except LayoutMismatch:
+            stream.cancel()
+            raise
+        except InvalidRequest:
+            # The daemon's stream broke the wire rules (or bytes were damaged in transit): the
+            # open block is dropped, blocks already verified are kept.
+            stream.cancel()
+            self.metrics.error("corrupt")
+        hits = [b for b in out if b is not None]
+        self.metrics.hit(len(hits), sum(b.nbytes for b in hits))
+        self.metrics.miss(len(keys) - len(hits))
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return out
+
+    def put(self, blocks: Sequence[Block]) -> PutResult:
+        res = PutResult()
+        if not blocks:
+            return res
+        t0 = time.perf_counter()
+        try:
+            resp = self._stub.Put(self._chunks(blocks), timeout=self.config.timeout_s, metadata=self._metadata())
+        except grpc.RpcError as exc:
+            err = error_from(exc)
+            if not self._degrade(err):
+                raise err from None
+            self.metrics.error("dropped_put", len(blocks))
+            res.rejected = [b.key for b in blocks]
+            return res
+        finally:
+            self.metrics.observe("put", time.perf_counter() - t0)
+        res.stored = [BlockKey(k) for k in resp.stored]
+        res.present = [BlockKey(k) for k in resp.present]
+        res.rejected = [BlockKey(k) for k in resp.rejected]
+        sizes = {b.key: b.nbytes for b in blocks}
+        self.metrics.stored(len(res.stored), sum(sizes.get(k, 0) for k in res.stored))
+        return res
+
+    def _chunks(self, blocks: Sequence[Block]) -> Iterator[pb.BlockChunk]:
+        for i, b in enumerate(blocks):
+            # Payloads are read while streaming; Block guarantees a contiguous CPU-side view.
+            src = b if b.data.device.type == "cpu" else Block(b.meta, b.data.cpu())
+            yield from block_chunks(src, self.config.chunk_bytes, i)
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        if not keys:
+            return 0
+        return int(self._unary("Delete", pb.DeleteRequest(keys=list(dict.fromkeys(keys)))).keys_removed)
+
+    def delete_scope(self, domain: ScopeDomain) -> int:
+        return int(self._unary("Delete", pb.DeleteRequest(domain=domain)).keys_removed)
+
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
+        return [BlockKey(k) for k in self._unary("ListScope", pb.ListScopeRequest(domain=domain)).keys]
+
+    def usage(self) -> TierUsage:
+        """Blocks and bytes over the daemon's listed (local) tiers; ``by_domain`` covers only the
+        caller's own domains. A block held by two daemon tiers counts twice."""
+        st = self._unary("Stats", pb.StatsRequest())
+        listed = [t for t in st.tiers if t.usage_listed]
+        by_domain: dict[ScopeDomain, int] = {}
+        for t in listed:
+            for hexdom, n in t.domain_bytes.items():
+                dom = ScopeDomain(bytes.fromhex(hexdom))
+                by_domain[dom] = by_domain.get(dom, 0) + n
+        caps = [t.capacity_bytes for t in listed]
+        capacity = sum(caps) if caps and all(caps) else None
+        return TierUsage(sum(t.blocks for t in listed), sum(t.bytes for t in listed), capacity, by_domain)
+
+    # -- administration ---------------------------------------------------------------------------
+    def stats(self) -> pb.StatsResponse:
+        return self._unary("Stats", pb.StatsRequest())
+
+    def purge(self, scope: str, reason: str = "") -> pb.PurgeResponse:
+        """Purge a scope everywhere in the daemon and destroy its data keys (``"user"``: the caller's own)."""
+        return self._unary("Purge", pb.PurgeRequest(scope=scope, reason=reason))
+
+    def revoke(self, kind: str, target: str, *, reason: str = "", lift: bool = False) -> None:
+        """``kind``: principal, tenant or credential."""
+        try:
+            k = pb.RevokeKind.Value(f"REVOKE_KIND_{kind.upper()}")
+        except ValueError:
+            raise InvalidRequest(f"unknown revoke kind {kind!r}: principal, tenant or credential") from None
+        self._unary("Revoke", pb.RevokeRequest(kind=k, target=target, reason=reason, lift=lift))
+
+    def close(self) -> None:
+        self._channel.close()
