@@ -468,6 +468,8 @@ class CupyPageCopier(PageCopier):
         super().__init__(device)
         self._cupy = cupy
         self._device = device
+        #: torch stream handle -> its cupy wrapper, so a launch does not build one each time.
+        self._streams: dict[int, object] = {}
         with cupy.cuda.Device(device.index):
             module = cupy.RawModule(code=_CUPY_SOURCE, options=("--std=c++14",))
             self._k16 = module.get_function("kvtier_copy_pages_16")
@@ -490,9 +492,12 @@ class CupyPageCopier(PageCopier):
             u64(dst.data_ptr()), i64(dst.stride(0)), u64(0 if dst_ids is None else dst_ids.data_ptr()),
             i64(words), i64(n),
         )  # fmt: skip
-        cp = self._cupy
-        stream = cp.cuda.ExternalStream(torch.cuda.current_stream(self._device).cuda_stream)
-        with cp.cuda.Device(self._device.index), stream:
+        handle = torch.cuda.current_stream(self._device).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = self._cupy.cuda.ExternalStream(handle, self._device.index)
+        # A fresh Device context per launch: its enter/exit state must not be shared by threads.
+        with self._cupy.cuda.Device(self._device.index), stream:
             kernel(grid, (self.THREADS,), args)
 
     def _self_test(self) -> None:
