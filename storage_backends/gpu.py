@@ -33,6 +33,7 @@ from kvtier.transfer import (
     TransferConfig,
     TransferEngine,
     page_rows,
+    resolve_device,
 )
 
 #: Largest staging buffer a GpuTier sizes for itself when not handed an engine.
@@ -91,7 +92,7 @@ class GpuTier(Tier):
         if engine is None:
             buffer_bytes = max(slot_bytes, min(DEFAULT_STAGING_BYTES, slot_bytes * max(n_slots, 1)))
             engine = TransferEngine(device, TransferConfig(buffer_bytes=buffer_bytes, n_buffers=2))
-        elif device is not None and torch.device(device) != engine.device:
+        elif device is not None and resolve_device(device) != engine.device:
             raise ConfigError(f"GpuTier device {device} differs from its engine's device {engine.device}")
         if slot_bytes > engine.config.buffer_bytes:
             raise ConfigError(

@@ -172,6 +172,11 @@ def test_configuration_errors() -> None:
         GpuTier(n_slots=2, slot_bytes=BPB, engine=engine)
     with pytest.raises(ConfigError, match="policy"):
         GpuTier(n_slots=2, slot_bytes=BPB, policy="nope")
+    if not CUDA:
+        with pytest.raises(ConfigError, match="CUDA"):
+            GpuTier(n_slots=2, slot_bytes=BPB, device="cuda")
+    shared = TransferEngine("cpu", TransferConfig(buffer_bytes=4 * BPB, n_buffers=1))
+    assert GpuTier(n_slots=2, slot_bytes=BPB, engine=shared, device="cpu").device == shared.device
 
 
 def test_closed_tier_refuses_use() -> None:
