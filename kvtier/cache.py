@@ -304,8 +304,8 @@ class KVCache:
         self.policy = policy
         self.options = options or CacheOptions()
         layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
-        if not layouts:
-            raise ConfigError("KVCache needs at least one KV layout")
+        # No layouts is allowed: the gRPC daemon serves blocks by key and uses the cache only for
+        # policy-checked purges and stats; chain/save then raise LayoutMismatch (no layout to use).
         self._layouts: dict[bytes, KVLayout] = {}
         for lay in layouts:
             tag = lay.fingerprint[:LAYOUT_TAG_BYTES]
@@ -366,7 +366,7 @@ class KVCache:
         rate limit.
         """
         keys, readable = self._readable_prefix(principal, chain)
-        lk = self._gated(self.store.lookup(keys), chain, readable)
+        lk = self._mitigated_lookup(keys, readable)
         self._after(principal, lk.length, len(chain))
         return Lookup(lk.runs, len(chain))
 
@@ -391,7 +391,7 @@ class KVCache:
                 self._count("denied")
                 raise AccessDenied(f"block {i} of the chain is in a scope principal {principal.id} cannot read")
         keys, _ = self._readable_prefix(principal, chain[:n], readable=readable)
-        lk = self._gated(self.store.lookup(keys), chain, readable)
+        lk = self._mitigated_lookup(keys, readable)
         blocks = self.store.get(keys[: lk.length], domains=[key_domain(k) for k in keys[: lk.length]], lookup=lk)
         self._after(principal, len(blocks), n)
         return blocks
@@ -425,20 +425,35 @@ class KVCache:
             keys.append(cb.key)
         return keys, readable
 
-    def _gated(self, lk: Lookup, chain: Sequence[ChainBlock], readable: dict[ScopeDomain, Scope]) -> Lookup:
-        """Apply the minimum public-prefix rule to a lookup result."""
+    def _mitigated_lookup(self, keys: list[BlockKey], readable: dict[ScopeDomain, Scope]) -> Lookup:
+        """``store.lookup`` under the minimum public-prefix rule.
+
+        A chain that starts with fewer than ``need`` public blocks gets a public-only hit hidden.
+        Hiding the *result* is not enough: the walk over cached public blocks takes time, so such a
+        probe must not touch the public blocks at all. The store is asked first only for the
+        principal's own block right after the public part; if that is absent (always, for a
+        prober), the answer is a miss without looking at any shared block, in the same time
+        whether the public prefix is cached or not.
+        """
         need = self.options.mitigations.min_public_prefix_blocks
-        if need == 0 or lk.length == 0 or lk.length >= need:
-            return lk
         public = 0
-        for cb in chain[: lk.length]:
-            if readable.get(key_domain(cb.key)) != PUBLIC:
-                break
-            public += 1
-        if public < lk.length:
-            return lk  # the hit reaches the principal's own (non-public) blocks: nothing to hide
-        self._count("public_hit_suppressed")
-        return Lookup((), lk.requested)
+        if need:
+            for k in keys:
+                if readable.get(key_domain(k)) != PUBLIC:
+                    break
+                public += 1
+        if not 0 < public < need:
+            return self.store.lookup(keys)
+        if public == len(keys) or self.store.lookup(keys[public : public + 1]).length == 0:
+            self._count("public_probe_hidden")
+            return Lookup((), len(keys))
+        lk = self.store.lookup(keys)
+        if lk.length <= public:
+            # The principal's own continuation exists but a public block before it does not: the
+            # hit would lie in public blocks only, so it is hidden as well.
+            self._count("public_hit_suppressed")
+            return Lookup((), len(keys))
+        return lk
 
     def _after(self, principal: Principal, hit: int, wanted: int) -> None:
         if self._limiter is not None and hit < wanted:

@@ -168,9 +168,14 @@ def test_min_public_prefix_hides_short_public_hits(tmp_path) -> None:
         # Bob's request shares the 2 public blocks with what is cached; 2 < 3, so he sees a miss.
         assert rig.cache.lookup(BOB, probe).length == 0
         assert rig.cache.load(BOB, probe) == []
-        assert rig.cache.snapshot()["public_hit_suppressed"] == 2
+        assert rig.cache.snapshot()["public_probe_hidden"] == 2
         # Alice's own chain continues into her private blocks: the hit is served.
         assert rig.cache.lookup(ALICE, rig.cache.chain(ALICE, request())).length == 5
+        # Alice's continuation exists but a public block before it was evicted: still hidden.
+        mine = rig.cache.chain(ALICE, request())
+        rig.store.delete([mine[1].key])
+        assert rig.cache.lookup(ALICE, mine).length == 0
+        assert rig.cache.snapshot()["public_hit_suppressed"] == 1
         # A long enough public prefix is served to anyone.
         long_manual = [RequestSegment(list(range(3000, 3000 + 4 * BT)), "public")]
         pub = rig.cache.chain(CURATOR, long_manual)
