@@ -6,7 +6,7 @@ import pytest
 
 from storage_backends.meta import MetaTier
 from tests.contract.contract import BPB, TierContract
-from tests.helpers import chain_blocks
+from tests.helpers import chain_blocks, same_bytes
 
 
 @pytest.fixture
@@ -47,3 +47,43 @@ class TestMetaTierBlockBudget(TierContract):
         with tier.pins.hold([a.key]):
             assert tier.put([b]).rejected == [b.key]
         assert tier.contains([a.key]) == 1
+
+
+# -- what only a block-counted tier has ---------------------------------------------------------------
+def test_block_budget_is_exact_and_bytes_do_not_matter(tiers):
+    tier = MetaTier(capacity_blocks=3, name="memory")
+    tiers.append(tier)
+    blocks = [chain_blocks(1, token_base=100 * i)[0] for i in range(5)]
+    for b in blocks:
+        tier.put([b])
+    assert tier.usage().blocks == 3 and tier.usage().capacity_bytes is None
+    assert [tier.contains([b.key]) for b in blocks] == [0, 0, 1, 1, 1]
+    assert tier.metrics.snapshot()["evictions"] == 2 and tier.metrics.tier == "memory"
+
+
+def test_unbounded_when_no_budget(tiers):
+    tier = MetaTier()
+    tiers.append(tier)
+    blocks = chain_blocks(40)
+    assert len(tier.put(blocks).stored) == 40 and tier.contains([b.key for b in blocks]) == 40
+
+
+def test_spilled_blocks_carry_exact_bytes(tiers):
+    tier = MetaTier(capacity_blocks=2)
+    tier.spill_evicted = True
+    tiers.append(tier)
+    a, b, c = chain_blocks(3)
+    tier.put([a, b])
+    res = tier.put([c])
+    assert [e.key for e in res.evicted] == [a.key]
+    assert same_bytes(res.evicted[0], a)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"capacity_blocks": 0}, {"capacity_blocks": -1}, {"capacity_blocks": True}, {"capacity_bytes": 0},
+     {"name": ""}, {"policy": "random"}],
+)
+def test_bad_configuration_is_refused(kwargs):
+    with pytest.raises(ValueError):
+        MetaTier(**kwargs)
