@@ -113,19 +113,21 @@ class GrpcTierConfig:
             raise ConfigError("GrpcTierConfig.max_attempts must be in [1, 5]")
 
     def channel(self) -> grpc.Channel:
-        service = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
-        retry = {"methodConfig": [{
-            "name": [{"service": service}],
-            "retryPolicy": {"maxAttempts": self.max_attempts, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
-                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
-        }]}
         options: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", json.dumps(retry)),
             ("grpc.keepalive_time_ms", 30_000),
         ]
+        if self.max_attempts > 1:  # gRPC's retry policy needs at least two attempts
+            service = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
+            retry = {"methodConfig": [{
+                "name": [{"service": service}],
+                "retryPolicy": {"maxAttempts": self.max_attempts, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                                "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+            }]}
+            options += [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(retry))]
+        else:
+            options.append(("grpc.enable_retries", 0))
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         if self.tls_ca is None:

@@ -39,7 +39,7 @@ from kvtier.errors import (
     ScopeError,
     TierUnavailable,
 )
-from kvtier.server.limits import ByteBudget, ConcurrencyLimit, Lease
+from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper, Lease
 from kvtier.server.observability import ServerMetrics
 from kvtier.tenancy import Policy, Principal
 from kvtier.tokens import Ed25519SigningKey, Ed25519VerifyKey, HmacKey, TokenVerifier, VerifyKey
@@ -152,6 +152,7 @@ class Call:
     deadline: float
     context: grpc.ServicerContext
     started: float = field(default_factory=time.monotonic)
+    ticket: int = -1
 
     def check_deadline(self) -> None:
         if time.monotonic() > self.deadline:
@@ -194,6 +195,7 @@ def _parsed(request: Any) -> Any:
 class GateOptions:
     max_rpc_seconds: float
     metrics: ServerMetrics
+    reaper: DeadlineReaper
 
 
 class CallGate(grpc.ServerInterceptor):
@@ -348,6 +350,7 @@ class CallGate(grpc.ServerInterceptor):
         # Runs when the RPC terminates for any reason, including a client that vanished while
         # its handler was blocked: in-flight bytes must not outlive the call.
         context.add_callback(call.lease.close)
+        call.ticket = self.options.reaper.watch(call.deadline, context.cancel)
         return call
 
     def authenticate(self, metadata: Any) -> Principal:
@@ -380,6 +383,7 @@ class CallGate(grpc.ServerInterceptor):
                                              "principal": call.principal.id})
 
     def _end(self, call: Call) -> None:
+        self.options.reaper.done(call.ticket)
         call.lease.close()
         self.limit.exit()
         self.metrics.call_finished(call.method, time.monotonic() - call.started)

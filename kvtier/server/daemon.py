@@ -30,7 +30,7 @@ from kvtier.server import kvtier_pb2 as pb
 from kvtier.server import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
-from kvtier.server.limits import ByteBudget, ConcurrencyLimit
+from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
 from kvtier.server.observability import (
     DaemonCollector,
     MetricsEndpoint,
@@ -93,8 +93,9 @@ class Daemon:
         self.metrics = ServerMetrics()
         self.budget = ByteBudget(s.max_inflight_bytes, s.max_inflight_bytes_per_client)
         self.concurrency = ConcurrencyLimit(s.max_concurrent_rpcs)
+        self.reaper = DeadlineReaper()
         self.gate = CallGate(self.verifier, self.backend.policy, self.budget, self.concurrency,
-                             GateOptions(s.max_rpc_seconds, self.metrics))
+                             GateOptions(s.max_rpc_seconds, self.metrics, self.reaper))
         self.service = KvCacheService(ServiceParts(
             store=self.backend.store, policy=self.backend.policy, local_tiers=self.backend.local_tiers,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
@@ -142,7 +143,9 @@ class Daemon:
         try:
             self.port = self._bind(server)
         except BaseException:
+            self.reaper.close()
             self.backend.close()
+            self._stopped.set()
             raise
         server.start()
         self._server = server
@@ -187,6 +190,7 @@ class Daemon:
         self.gate.drain()
         if self._server is not None:
             self._server.stop(grace).wait()
+        self.reaper.close()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.close()
         self.backend.close()

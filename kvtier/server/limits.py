@@ -6,8 +6,11 @@ Both limits refuse instead of queueing: a call over a limit fails at once with O
 
 from __future__ import annotations
 
+import heapq
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from kvtier.errors import Overloaded
 
@@ -139,3 +142,64 @@ class ConcurrencyLimit:
         with self._lock:
             assert self.active > 0
             self.active -= 1
+
+
+class DeadlineReaper:
+    """Cancels calls still running ``slack_s`` past their deadline: the backstop for a call
+    blocked on a stalled client (a stream that stops sending), which no in-call check can see.
+
+    One thread for all calls. Invariants (under ``_cond``): ``_live`` maps the ticket of every
+    watched call to its cancel function; ``_heap`` holds (deadline, ticket) for them plus
+    tickets already done (skipped when popped). Cancel functions run outside the lock.
+    """
+
+    def __init__(self, slack_s: float = 1.0) -> None:
+        self.slack_s = slack_s
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, Callable[[], object]] = {}
+        self._next = 0
+        self._stopping = False
+        self.reaped = 0
+        self._thread = threading.Thread(target=self._run, name="kvtier-deadline-reaper", daemon=True)
+        self._thread.start()
+
+    def watch(self, deadline: float, cancel: Callable[[], object]) -> int:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            self._live[ticket] = cancel
+            heapq.heappush(self._heap, (deadline + self.slack_s, ticket))
+            if self._heap[0][1] == ticket:
+                self._cond.notify()
+            return ticket
+
+    def done(self, ticket: int) -> None:
+        with self._cond:
+            self._live.pop(ticket, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping:
+                    while self._heap and self._heap[0][1] not in self._live:
+                        heapq.heappop(self._heap)
+                    if not self._heap:
+                        self._cond.wait()
+                        continue
+                    wait = self._heap[0][0] - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                if self._stopping:
+                    return
+                _, ticket = heapq.heappop(self._heap)
+                cancel = self._live.pop(ticket)
+                self.reaped += 1
+            cancel()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
