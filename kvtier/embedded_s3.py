@@ -37,6 +37,8 @@ DEFAULT_DIR = ".kvtier/s3"
 ACCESS_KEY = "kvtier"
 SECRET_KEY = "kvtier-secret"
 _PROBE_OBJECT = ".kvtier-ready"
+#: Log lines after which ``weed mini`` never becomes ready (it logs them and keeps running).
+_FATAL_LOG_MARKERS = ("Port allocation failed", "address already in use", "cannot be used", "F1")
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,8 +138,9 @@ class EmbeddedS3:
         return self.data_dir / LOG_FILE
 
     def client(self, **config: Any) -> Any:
-        cfg = Config(connect_timeout=1.0, read_timeout=10.0, retries={"max_attempts": 1, "mode": "standard"},
-                     s3={"addressing_style": "path"}, **config)
+        settings: dict[str, Any] = {"connect_timeout": 1.0, "read_timeout": 5.0, "s3": {"addressing_style": "path"},
+                                    "retries": {"max_attempts": 1, "mode": "standard"}}
+        cfg = Config(**{**settings, **config})
         return boto3.session.Session().client(
             "s3", endpoint_url=self.endpoint_url, aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY, region_name="us-east-1", config=cfg,
@@ -201,12 +204,16 @@ class EmbeddedS3:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        client = self.client()
+        # Short timeouts: until it is ready, the port may even belong to something else that never answers.
+        client = self.client(read_timeout=1.0)
         created = False
         last = "no answer yet"
         while time.monotonic() < deadline:
+            fatal = self._fatal_log_line()
+            if fatal is not None:
+                raise TierUnavailable(f"weed mini failed to start: {fatal}")
             if self.proc is not None and self.proc.poll() is not None:
-                raise TierUnavailable(f"weed mini exited with {self.proc.returncode}: {self.log_tail()}")
+                raise TierUnavailable(f"weed mini failed to start (exit {self.proc.returncode}): {self.log_tail()}")
             try:
                 if not created:
                     self._ensure_bucket(client)
@@ -222,6 +229,12 @@ class EmbeddedS3:
             f"SeaweedFS at {self.endpoint_url} not ready after {self.startup_timeout_s:.0f}s ({last}); "
             f"log: {self.log_tail()}"
         )
+
+    def _fatal_log_line(self) -> str | None:
+        for line in self.log_tail(8000).splitlines():
+            if any(line.startswith(m) if m == "F1" else m in line for m in _FATAL_LOG_MARKERS):
+                return line.strip()
+        return None
 
     def _ensure_bucket(self, client: Any) -> None:
         try:

@@ -47,6 +47,8 @@ T = TypeVar("T")
 
 #: S3 allows at most this many keys per DeleteObjects call.
 MAX_DELETE_BATCH = 1000
+#: No record is this large; a bigger object under our names is not ours and is never read.
+MAX_OBJECT_BYTES = 1 << 30
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _HEX_RE = re.compile(r"^[0-9a-f]+$")
@@ -400,6 +402,7 @@ class S3Tier(Tier):
         self._client = config.client()
         self._reads = ThreadPoolExecutor(config.concurrency, thread_name_prefix="kvtier-s3-read")
         self._writes = ThreadPoolExecutor(config.concurrency, thread_name_prefix="kvtier-s3-write")
+        self._local = threading.local()
         self._closed = False
         try:
             self._check_bucket()
@@ -525,10 +528,30 @@ class S3Tier(Tier):
             raise ValueError("get_into needs one destination tensor per key")
         return self._read(keys, outs)
 
-    def _fetch(self, key: BlockKey) -> bytes:
-        def once() -> bytes:
+    def _scratch(self, name: str, size: int) -> bytearray:
+        """This worker thread's reusable buffer of at least ``size`` bytes.
+
+        Faulting in fresh pages for every multi-MiB object costs more than the copy itself. A
+        buffer is replaced, never resized, so a memoryview still held elsewhere stays valid.
+        """
+        buf: bytearray | None = getattr(self._local, name, None)
+        if buf is None or len(buf) < size:
+            buf = bytearray(size)
+            setattr(self._local, name, buf)
+        return buf
+
+    def _fetch(self, key: BlockKey) -> bytes | None:
+        """The whole object; None when it is implausibly large (never read, never ours)."""
+
+        def once() -> bytes | None:
             resp = self._client.get_object(Bucket=self.config.bucket, Key=self.namer.name(key))
-            return resp["Body"].read()
+            body = resp["Body"]
+            if int(resp["ContentLength"]) > MAX_OBJECT_BYTES:
+                body.close()
+                return None
+            # read() checks the length against Content-Length (IncompleteReadError when short).
+            # (urllib3's readinto is read + copy, so a reused buffer would cost one more copy.)
+            return body.read()
 
         return self._call("get", once)
 
@@ -541,6 +564,8 @@ class S3Tier(Tier):
         except bce.ClientError as exc:
             status, _ = _status(exc)
             return None, _Verdict.ABSENT if status == 404 else _Verdict.S3_ERROR
+        if raw is None:
+            return None, _Verdict.CORRUPT
         try:
             if self.sealer is None and codec.parse_header(raw).envelope is not None:
                 return None, _Verdict.SEALED_NO_KEYRING
@@ -585,7 +610,12 @@ class S3Tier(Tier):
 
     # -- put --------------------------------------------------------------------------------------
     def _put_one(self, block: Block) -> str:
-        body = codec.encode(block, self.sealer)
+        body = self._scratch("put", 0)
+        try:
+            del body[codec.encode_into(block, body, self.sealer) :]  # boto3 takes a whole bytearray, not a view
+        except BufferError:  # a view of the buffer is still alive somewhere, so it cannot resize
+            body = codec.encode(block, self.sealer)
+            self._local.put = bytearray()
         name = self.namer.name(block.key)
         try:
             # If-None-Match makes "a present key is left as it is" one atomic request, not HEAD+PUT.

@@ -77,10 +77,11 @@ def test_write_back_uploads_only_what_leaves_the_disk_tier(tmp_path, make_s3_tie
 def test_policy_none_never_writes_the_remote(tmp_path, make_s3_tier) -> None:
     remote = make_s3_tier()
     store = _store(tmp_path, remote, "none", mem_blocks=1, disk_blocks=1)
-    store.put(chain_blocks(4))
-    store.close()
+    store.put(chain_blocks(4))  # evictions from the 1-block disk tier are dropped, not uploaded
+    assert store.flush_remote(30)
     assert remote.metrics.snapshot()["puts"] == 0
     assert remote.usage().blocks == 0
+    store.close()
 
 
 def test_pending_uploads_are_bounded_and_drained_on_close(make_s3_tier) -> None:
