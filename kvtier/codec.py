@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import numpy as np
@@ -50,6 +50,19 @@ class Sealer(Protocol):
     ) -> None:
         """Decrypt into ``out``; raises CorruptRecord when the tag does not verify."""
         ...
+
+
+@runtime_checkable
+class InPlaceSealer(Protocol):
+    """A Sealer that can also encrypt straight into the record buffer (kvtier.crypto.KeyRing):
+    ``reserve`` gives the envelope before the header is written, ``seal_into`` then fills the
+    body (plaintext length + 16 bytes of tag) without allocating a ciphertext."""
+
+    def reserve(self, domain: ScopeDomain) -> dict[str, Any]: ...
+
+    def seal_into(
+        self, domain: ScopeDomain, envelope: dict[str, Any], aad: bytes, plaintext: memoryview, out: memoryview
+    ) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,8 +102,16 @@ def encode_into(block: Block, buf: bytearray, sealer: Sealer | None = None) -> i
     plain = block.as_bytes_view()
     envelope = None
     body: bytes | memoryview = plain
-    if sealer is not None:
+    # An in-place sealer encrypts into the (reused) record buffer below: no ciphertext allocation,
+    # which costs more than the encryption itself for large blocks.
+    in_place = sealer is not None and isinstance(sealer, InPlaceSealer)
+    body_len = len(plain)
+    if in_place:
+        envelope = sealer.reserve(meta.domain)
+        body_len += 16
+    elif sealer is not None:
         envelope, body = sealer.seal(meta.domain, _aad(meta), plain)
+        body_len = len(body)
     header = msgpack.packb(
         {
             "k": meta.key,
@@ -100,7 +121,7 @@ def encode_into(block: Block, buf: bytearray, sealer: Sealer | None = None) -> i
             "i": meta.index,
             "t": meta.dtype,
             "s": list(meta.shape),
-            "n": len(body),
+            "n": body_len,
             "e": envelope,
             "c": time.time(),
         }
@@ -110,13 +131,16 @@ def encode_into(block: Block, buf: bytearray, sealer: Sealer | None = None) -> i
     flags = FLAG_SEALED if envelope is not None else 0
     start = PREFIX_BYTES + len(header)
     pad = _pad(start)
-    total = start + pad + len(body)
+    total = start + pad + body_len
     if len(buf) < total:
         buf.extend(bytes(total - len(buf)))
     mv = memoryview(buf)
     mv[PREFIX_BYTES:start] = header
     mv[start : start + pad] = bytes(pad)
-    mv[start + pad : total] = body
+    if in_place:
+        sealer.seal_into(meta.domain, envelope, _aad(meta), plain, mv[start + pad : total])
+    else:
+        mv[start + pad : total] = body
     # The checksum covers everything after the prefix (header, padding, payload).
     digest = xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES:total])
     _PREFIX.pack_into(buf, 0, MAGIC, FORMAT_VERSION, flags, len(header), digest)
