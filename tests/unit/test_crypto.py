@@ -426,3 +426,28 @@ def test_bad_options_are_refused(key_store) -> None:
         KeyRing(provider(), key_store, options=KeyRingOptions(max_encryptions=0))
     with pytest.raises(ConfigError, match="32 bytes"):
         LocalKeyProvider(b"short", source="test")
+
+
+class SealOnly:
+    """A Sealer with only the two protocol methods (no in-place sealing): the codec's other path."""
+
+    def __init__(self, ring: KeyRing) -> None:
+        self.ring = ring
+
+    def seal(self, domain, aad, plaintext):
+        return self.ring.seal(domain, aad, plaintext)
+
+    def open_into(self, domain, envelope, aad, sealed, out):
+        return self.ring.open_into(domain, envelope, aad, sealed, out)
+
+
+def test_codec_in_place_and_allocating_seal_paths_agree(key_store) -> None:
+    ring = KeyRing(provider(), key_store)
+    blk = chain_blocks(1, scope=Scope.user("acme/alice"))[0]
+    in_place = bytes(codec.encode(blk, ring))
+    allocating = bytes(codec.encode(blk, SealOnly(ring)))
+    assert len(in_place) == len(allocating)
+    for rec in (in_place, allocating):
+        assert same_bytes(codec.decode(rec, expect_key=blk.key, sealer=ring), blk)
+        assert same_bytes(codec.decode(rec, expect_key=blk.key, sealer=SealOnly(ring)), blk)
+    assert codec.parse_header(in_place).envelope["n"] != codec.parse_header(allocating).envelope["n"]
