@@ -86,6 +86,10 @@ class S3Config:
     #: How contains() walks a chain: a name from PROBES.
     probe: str = "window"
     delete_batch: int = MAX_DELETE_BATCH
+    #: PUT with ``If-None-Match: *`` (AWS S3, SeaweedFS, MinIO, Ceph RGW). False for a store that
+    #: lacks it: a HEAD then a PUT, where a concurrent writer of the same key may win (same bytes,
+    #: since keys are content hashes).
+    conditional_put: bool = True
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field; touches no network."""
@@ -610,19 +614,25 @@ class S3Tier(Tier):
 
     # -- put --------------------------------------------------------------------------------------
     def _put_one(self, block: Block) -> str:
+        if not self.config.conditional_put:
+            present, cause = self._head(block.key)
+            if present:
+                return "present"
+            if cause is not None:
+                return cause
         body = self._scratch("put", 0)
         try:
             del body[codec.encode_into(block, body, self.sealer) :]  # boto3 takes a whole bytearray, not a view
         except BufferError:  # a view of the buffer is still alive somewhere, so it cannot resize
             body = codec.encode(block, self.sealer)
             self._local.put = bytearray()
-        name = self.namer.name(block.key)
-        try:
+        kw: dict[str, Any] = {"Bucket": self.config.bucket, "Key": self.namer.name(block.key), "Body": body,
+                              "ContentType": "application/octet-stream"}
+        if self.config.conditional_put:
             # If-None-Match makes "a present key is left as it is" one atomic request, not HEAD+PUT.
-            self._call("put", lambda: self._client.put_object(
-                Bucket=self.config.bucket, Key=name, Body=body, IfNoneMatch="*",
-                ContentType="application/octet-stream",
-            ))
+            kw["IfNoneMatch"] = "*"
+        try:
+            self._call("put", lambda: self._client.put_object(**kw))
         except S3Unreachable as exc:
             return exc.cause
         except bce.ClientError as exc:

@@ -190,6 +190,16 @@ def test_keys_in_scope_spans_layouts(make_s3_tier) -> None:
     assert tier.delete_scope(dom) == 5 and tier.usage().blocks == 0
 
 
+def test_head_then_put_mode_for_stores_without_conditional_put(make_s3_tier) -> None:
+    tier = make_s3_tier(conditional_put=False)
+    blocks = chain_blocks(2)
+    assert tier.put(blocks).stored == [b.key for b in blocks]
+    res = tier.put(chain_blocks(2, seed=7))  # same keys, other bytes
+    assert res.present == [b.key for b in blocks] and res.stored == []
+    assert same_bytes(tier.get([blocks[1].key])[0], blocks[1])
+    assert tier.request_counts()["head"] == 4
+
+
 def test_buckets_are_isolated(make_s3_tier, fresh_bucket) -> None:
     a = make_s3_tier()
     b = make_s3_tier(bucket=fresh_bucket)
