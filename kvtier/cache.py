@@ -328,7 +328,7 @@ class KVCache:
             return which
         if which is None:
             if len(self._layouts) != 1:
-                raise LayoutMismatch("this cache serves several layouts: name one")
+                raise LayoutMismatch(f"this cache serves {len(self._layouts)} layouts: name one")
             return next(iter(self._layouts.values()))
         found = [lay for lay in self._layouts.values() if which in (lay.model_id, lay.fingerprint.hex())]
         if len(found) != 1:
@@ -526,7 +526,7 @@ class KVCache:
             return actor.own_scope(scope)
         return Scope.parse(scope)
 
-    def purge(self, actor: Principal, scope: Scope | ScopeKind | str) -> PurgeReport:
+    def purge(self, actor: Principal, scope: Scope | ScopeKind | str, *, reason: str = "") -> PurgeReport:
         """Remove every copy of ``scope`` from every tier and destroy its data keys.
 
         Order: the intent is journaled; the store's write fence closes the domain (no put,
@@ -546,7 +546,7 @@ class KVCache:
         domain = self.policy.domain(target)
         audit = self.policy.audit
         if audit is not None:
-            audit.append(actor.id, "purge.start", str(target), domain=domain.hex())
+            audit.append(actor.id, "purge.start", str(target), domain=domain.hex(), reason=reason)
         report = self._purge_domain(domain, actor.id, scope_name=str(target))
         if audit is not None:
             audit.append(actor.id, "purge.done", str(target), domain=domain.hex(), removed=report.removed,

@@ -137,9 +137,14 @@ def parse_master_key(data: bytes, source: str) -> bytes:
 
 
 class FileKeyProvider(LocalKeyProvider):
-    """Master key from a file that only its owner may read (mode 0600 or 0400)."""
+    """Master key from a file that only its owner may read (mode 0600 or 0400).
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``allow_group_read`` admits 0440/0640 for deployments that hand the key to a non-root process
+    through its group (a Kubernetes Secret volume with ``fsGroup``); write or "other" bits are
+    refused regardless.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_group_read: bool = False) -> None:
         p = Path(path)
         try:
             st = os.stat(p)
@@ -148,8 +153,10 @@ class FileKeyProvider(LocalKeyProvider):
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"master key file {p} is not a regular file")
         mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise ConfigError(f"master key file {p} has mode {mode:04o}; it must be 0600 (no group/other access)")
+        forbidden = 0o037 if allow_group_read else 0o077
+        if mode & forbidden:
+            need = "0600 or 0640 (no group write, no other access)" if allow_group_read else "0600 (no group/other)"
+            raise ConfigError(f"master key file {p} has mode {mode:04o}; it must be {need}")
         super().__init__(parse_master_key(p.read_bytes(), f"file {p}"), source=f"file:{p}")
 
 

@@ -143,11 +143,18 @@ def test_stats_show_only_readable_scopes(rig: CacheRig) -> None:
         rig.cache.stats(BOB, "session")
 
 
+def test_keyless_cache_has_no_layout_to_chain_with(tmp_path) -> None:
+    cache = KVCache(TieredStore([MemoryTier(1 << 20)]), (), Policy(DERIVER))
+    with pytest.raises(LayoutMismatch, match="serves 0 layouts"):
+        cache.chain(ALICE, request())
+    assert cache.purge(ALICE, "user").total == 0
+
+
 def test_several_layouts_never_meet(tmp_path) -> None:
     other = dataclasses.replace(SMALL, model_id="other-model")
     store = TieredStore([MemoryTier(1 << 22)])
     cache = KVCache(store, [SMALL, other], Policy(DERIVER))
-    with pytest.raises(LayoutMismatch, match="several"):
+    with pytest.raises(LayoutMismatch, match="serves 2 layouts"):
         cache.chain(ALICE, request())
     a = cache.chain(ALICE, request(), layout="test-model")
     b = cache.chain(ALICE, request(), layout=other)

@@ -89,6 +89,20 @@ def test_file_provider_refuses_readable_by_others(tmp_path, mode: int) -> None:
         FileKeyProvider(path)
 
 
+@pytest.mark.parametrize("mode,ok", [(0o640, True), (0o440, True), (0o660, False), (0o644, False), (0o604, False)])
+def test_group_read_only_when_asked(tmp_path, mode: int, ok: bool) -> None:
+    path = tmp_path / "master.key"
+    path.write_bytes(KEK.hex().encode())
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match="mode"):
+        FileKeyProvider(path)  # never by default
+    if ok:
+        assert FileKeyProvider(path, allow_group_read=True).kek_id == provider().kek_id
+    else:
+        with pytest.raises(ConfigError, match="no group write"):
+            FileKeyProvider(path, allow_group_read=True)
+
+
 @pytest.mark.parametrize(
     "content,what", [(b"too short", "32 bytes"), (b"zz" * 32, "32 bytes"), (base64.b64encode(b"x" * 31), "32 bytes")]
 )
