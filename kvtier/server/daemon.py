@@ -99,7 +99,9 @@ class Daemon:
         self.service = KvCacheService(ServiceParts(
             store=self.backend.store, policy=self.backend.policy, local_tiers=self.backend.local_tiers,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
-            limits=ServiceLimits(chunk_bytes=s.chunk_bytes),
+            # A put commits well before its buffered blocks approach the per-client budget.
+            limits=ServiceLimits(chunk_bytes=s.chunk_bytes,
+                                 put_batch_bytes=max(1, min(16 << 20, s.max_inflight_bytes_per_client // 4))),
         ))
         self.health = health.HealthServicer()
         self._server: grpc.Server | None = None
