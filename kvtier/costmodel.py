@@ -60,21 +60,24 @@ class _Cell:
     y: float
     tick: int
     n: int
+    #: A surprising observation waiting for confirmation (one outlier is not a change).
+    pending: float | None = None
 
 
 class OnlineLinearFit:
     """``y ~ theta . x`` with ``theta >= 0``, refit from moving-averaged cells on demand.
 
-    Invariants (under ``_lock``): each cell holds an exponential moving average (weight ``alpha``
-    for the newest observation) of x and y; ``_tick`` counts observations; a cell's weight is
-    ``1 / y^2`` (relative error matters, not absolute) times ``0.5 ** (age / half_life)`` floored
-    at ``min_weight``, so recent behaviour dominates while old cells still pin down directions that
-    recent traffic does not excite. The prior enters as a weak ridge (relative strength ``ridge``)
-    in column-scaled coordinates: it alone decides before any observation, afterwards only in
-    directions the observations leave undetermined. An observation more than 2x off its own cell's
-    average means the system changed (requests of that kind got slower or faster): the current fit
-    becomes the prior and the cells restart from that observation. ``_theta`` caches the solution;
-    observations invalidate it. Any thread may call.
+    Invariants (under ``_lock``): each cell holds a moving average of x and y (weight ``alpha``
+    for a faster observation, ``alpha * rise_damping`` for a slower one); ``_tick`` counts accepted
+    observations; a cell's weight is ``1 / y^2`` (relative error matters, not absolute) times
+    ``0.5 ** (age / half_life)`` floored at ``min_weight``, so recent behaviour dominates while old
+    cells still pin down directions that recent traffic does not excite. The prior enters as a
+    ridge in column-scaled coordinates (strength ``ridge`` for the constructor's prior, which may
+    be a rough guess): alone it decides before any observation, afterwards only in directions the
+    observations leave undetermined. Two observations in a row more than ``change_factor`` off
+    (the same way) their cell's average are a change of the system and restart the evidence (see
+    ``_restart``); a single one is held back as a possible outlier. ``_theta`` caches the
+    solution; observations invalidate it. Any thread may observe or predict.
     """
 
     def __init__(
@@ -83,9 +86,12 @@ class OnlineLinearFit:
         prior: Sequence[float],
         *,
         alpha: float = 0.5,
+        rise_damping: float = 0.3,
         half_life: float = 48.0,
         min_weight: float = 0.05,
         ridge: float = 1e-4,
+        learned_prior_strength: float = 0.1,
+        change_factor: float = 3.0,
     ) -> None:
         if len(prior) != len(names):
             raise ValueError("OnlineLinearFit: the prior needs one value per parameter")
@@ -93,13 +99,18 @@ class OnlineLinearFit:
             raise ValueError(f"OnlineLinearFit: prior parameters must be finite and >= 0, got {list(prior)}")
         self.names = tuple(names)
         self.alpha = alpha
+        self.rise_damping = rise_damping
         self.half_life = half_life
+        self.learned_prior_strength = learned_prior_strength
+        self.change_factor = change_factor
         self.min_weight = min_weight
         self.ridge = ridge
         self._prior = np.asarray(prior, dtype=np.float64)
+        self._prior_strength = ridge
         self._cells: dict[Hashable, _Cell] = {}
         self._tick = 0
-        #: How often a surprising observation restarted the evidence (a change was detected).
+        self._seen = 0
+        #: How often a confirmed change restarted the evidence.
         self.resets = 0
         self._theta: np.ndarray | None = self._prior.copy()
         self._lock = threading.Lock()
@@ -109,26 +120,38 @@ class OnlineLinearFit:
             raise ValueError(f"observed time must be finite and >= 0, got {y!r}")
         xv = np.asarray(x, dtype=np.float64)
         with self._lock:
+            self._seen += 1
             c = self._cells.get(cell)
-            if c is not None and _surprising(y, c.y):
-                # The system changed (a link slowed down, a neighbour took the cores). Old cells
-                # would outvote the new evidence for a long time, so the fit so far becomes the
-                # prior and evidence restarts from this observation: directions it determines
-                # follow the new behaviour at once, the others keep what was learned.
-                if self._theta is None:
-                    self._theta = self._solve()
-                self._prior = self._theta.copy()
-                self._cells.clear()
-                self.resets += 1
-                c = None
-            self._tick += 1
             if c is None:
+                self._tick += 1
                 self._cells[cell] = _Cell(xv, y, self._tick, 1)
+            elif _surprising(y, c.y, self.change_factor):
+                if c.pending is None or (c.pending > c.y) != (y > c.y):
+                    c.pending = y  # maybe an outlier: wait for a second opinion
+                    return
+                self._restart(cell, xv, math.sqrt(c.pending * y), c.y)
             else:
-                c.x = c.x + self.alpha * (xv - c.x)
-                c.y = c.y + self.alpha * (y - c.y)
-                c.tick, c.n = self._tick, c.n + 1
+                # Rises are followed more slowly than falls: on a shared host most noise is
+                # contention that makes a run slower, so cells track the lower envelope.
+                a = self.alpha if y <= c.y else self.alpha * self.rise_damping
+                self._tick += 1
+                c.x = c.x + a * (xv - c.x)
+                c.y = c.y + a * (y - c.y)
+                c.tick, c.n, c.pending = self._tick, c.n + 1, None
             self._theta = None
+
+    def _restart(self, cell: Hashable, x: np.ndarray, y: float, was: float) -> None:
+        """A confirmed change (a link slowed down, a neighbour took the cores): old cells would
+        outvote the new evidence for a long time, so evidence restarts from this cell, with the fit
+        so far scaled by the change as the prior (every kind of request first assumed to have
+        changed alike; cells seen from now on correct that). Caller holds ``_lock``."""
+        if self._theta is None:
+            self._theta = self._solve()
+        self._prior = self._theta * (y / max(was, 1e-12))
+        self._prior_strength = self.learned_prior_strength
+        self.resets += 1
+        self._tick += 1
+        self._cells = {cell: _Cell(x, y, self._tick, 1)}
 
     @property
     def theta(self) -> np.ndarray:
@@ -139,7 +162,8 @@ class OnlineLinearFit:
 
     @property
     def observations(self) -> int:
-        return self._tick
+        """Observations received (including any held back as possible outliers)."""
+        return self._seen
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Predicted seconds for feature rows ``x`` (shape ``[..., p]``)."""
@@ -153,7 +177,9 @@ class OnlineLinearFit:
         y = np.array([c.y for c in cells])
         age = np.array([self._tick - c.tick for c in cells], dtype=np.float64)
         w = np.maximum(0.5 ** (age / self.half_life), self.min_weight) / np.maximum(y, 1e-9) ** 2
-        return nonnegative_least_squares(x, y, w, prior=self._prior, ridge=self.ridge)
+        return nonnegative_least_squares(x, y, w, prior=self._prior, ridge=self._prior_strength)
+
+
 
 
 def _surprising(observed: float, expected: float, factor: float = 2.0) -> bool:

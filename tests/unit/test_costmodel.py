@@ -85,13 +85,28 @@ def test_profile_follows_a_slowdown_within_a_few_observations() -> None:
     prof = TierProfile("t", latency_s=1e-4, bandwidth_Bps=1e9)
     for n in (1, 8, 32, 64, 1, 8, 32, 64):
         prof.observe(n, n * BPB, 1e-4 + n * BPB / 1e9)
+    normal = prof.predict(64, 64 * BPB)
     slow = 1e-4 + 64 * BPB / 1e7  # the link is now 100x slower
+    prof.observe(64, 64 * BPB, slow)
+    assert prof.predict(64, 64 * BPB) == pytest.approx(normal)  # one outlier is held back
     prof.observe(64, 64 * BPB, slow)
     assert prof.predict(64, 64 * BPB) == pytest.approx(slow, rel=0.05)
     assert prof.predict(32, 32 * BPB) > 10 * (1e-4 + 32 * BPB / 1e9)  # the change carries over
     fast = 1e-4 + 64 * BPB / 1e9  # and back
     prof.observe(64, 64 * BPB, fast)
+    prof.observe(64, 64 * BPB, fast)
     assert prof.predict(64, 64 * BPB) == pytest.approx(fast, rel=0.05)
+    assert prof._fit.resets == 2
+
+
+def test_a_single_outlier_does_not_restart_the_fit() -> None:
+    prof = TierProfile("t", latency_s=1e-4, bandwidth_Bps=1e9)
+    for n in (1, 8, 32, 64, 1, 8, 32, 64):
+        prof.observe(n, n * BPB, 1e-4 + n * BPB / 1e9)
+    before = prof.predict(16, 16 * BPB)
+    prof.observe(64, 64 * BPB, 50 * (1e-4 + 64 * BPB / 1e9))  # a hiccup
+    prof.observe(64, 64 * BPB, 1e-4 + 64 * BPB / 1e9)  # back to normal
+    assert prof._fit.resets == 0 and prof.predict(16, 16 * BPB) == pytest.approx(before, rel=0.01)
 
 
 def test_noise_within_2x_does_not_restart_the_fit() -> None:
