@@ -26,6 +26,7 @@ from kvtier.keys import ChainBlock
 from kvtier.store import TieredStore
 from kvtier.tenancy import ROLE_ADMIN, ROLE_OPERATOR, ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.tier import Tier
+from storage_backends.gpu import GpuTier
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from storage_backends.s3_keys import S3WrappedKeyStore
@@ -57,7 +58,7 @@ def tensors(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 @dataclass
 class CacheRig:
-    """A KVCache and the parts it stands on; ``kinds`` picks the tiers (memory, lmdb, s3)."""
+    """A KVCache and the parts it stands on; ``kinds`` picks the tiers (gpu, memory, lmdb, s3)."""
 
     root: Path
     kinds: tuple[str, ...]
@@ -92,7 +93,10 @@ class CacheRig:
         self.policy = Policy(DERIVER, audit=self.audit)
         tiers: list[Tier] = []
         for kind in self.kinds:
-            if kind == "memory":
+            if kind == "gpu":  # on CUDA when present, else the same code on CPU tensors
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                tiers.append(GpuTier(n_slots=64, slot_bytes=SMALL.bytes_per_block, device=device))
+            elif kind == "memory":
                 tiers.append(MemoryTier(64 * SMALL.bytes_per_block))
             elif kind == "lmdb":
                 tiers.append(LmdbTier(self.root / "lmdb", 1 << 24, sealer=self.keyring))

@@ -35,17 +35,17 @@ class SimulatedCrash(BaseException):
 
 @pytest.fixture
 def rig(tmp_path, make_s3_tier):
-    r = CacheRig(tmp_path, ("memory", "lmdb", "s3"), make_s3=make_s3_tier)
+    r = CacheRig(tmp_path, ("gpu", "memory", "lmdb", "s3"), make_s3=make_s3_tier)
     yield r
     r.close()
 
 
 def test_crash_mid_purge_resumes_on_restart(rig: CacheRig) -> None:
-    a_chain = rig.save_request(ALICE)  # lands in the top (memory) tier
-    # Push alice's blocks down to LMDB and S3 as well, so every tier holds a copy.
+    a_chain = rig.save_request(ALICE)  # lands in the top (GPU) tier
+    # Copy alice's blocks into every other tier as well, so each holds one.
     blocks = rig.cache.load(ALICE, a_chain)
-    rig.tier("lmdb").put(blocks)
-    rig.tier("s3").put(blocks)
+    for kind in ("memory", "lmdb", "s3"):
+        rig.tier(kind).put(blocks)
     domain = rig.policy.domain(ALICE.user_scope())
     lmdb = rig.tier("lmdb")
     real = lmdb.delete_scope
@@ -59,15 +59,15 @@ def test_crash_mid_purge_resumes_on_restart(rig: CacheRig) -> None:
     lmdb.delete_scope = real
     # The intent is on disk; memory was already purged and the data key destroyed.
     assert [p.name for p in (rig.root / "journal").iterdir()] == [f"{domain.hex()}.purge"]
-    assert rig.tier("memory").keys_in_scope(domain) == []
+    assert rig.tier("gpu").keys_in_scope(domain) == rig.tier("memory").keys_in_scope(domain) == []
     assert len(lmdb.keys_in_scope(domain)) == 3
     cache = rig.restart()  # a new process: the constructor resumes the purge
     [report] = cache.resumed
     assert report.resumed and report.domain == domain.hex()
-    assert report.removed == {"memory": 3, "lmdb": 3, "s3": 3}
+    assert report.removed == {"gpu": 3, "memory": 3, "lmdb": 3, "s3": 3}
     assert report.keys_destroyed == 1
     assert list((rig.root / "journal").iterdir()) == []
-    assert cache.remaining(ALICE, "user") == {"memory": 0, "lmdb": 0, "s3": 0, "data_keys": 0}
+    assert cache.remaining(ALICE, "user") == {"gpu": 0, "memory": 0, "lmdb": 0, "s3": 0, "data_keys": 0}
     assert not [n for n in bucket_names(rig) if domain.hex() in n]
     actions = [e.action for e in rig.audit.events()]
     assert actions == ["purge.start", "purge.resume", "purge.done"]
@@ -80,7 +80,7 @@ def test_damaged_journal_entry_still_resumes(rig: CacheRig) -> None:
     (rig.root / "journal" / f"{domain.hex()}.purge").write_bytes(b"{torn")
     cache = rig.restart()
     assert [r.domain for r in cache.resumed] == [domain.hex()]
-    assert cache.remaining(ALICE, "user") == {"memory": 0, "lmdb": 0, "s3": 0, "data_keys": 0}
+    assert cache.remaining(ALICE, "user") == {"gpu": 0, "memory": 0, "lmdb": 0, "s3": 0, "data_keys": 0}
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "s3"])
