@@ -1,4 +1,4 @@
-"""The security matrix: every tier (memory, LMDB, S3 on SeaweedFS) x every operation.
+"""The security matrix: every tier (GPU, memory, LMDB, S3 on SeaweedFS) x every operation.
 
 Tenant B (globex/bob) against tenant A's (acme/alice) private blocks: refused on lookup, get,
 put-over, delete, purge and stats; allowed on the public blocks they share. Blobs copied under
