@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.block import Block
 from kvtier.cache import CacheOptions, KVCache
-from kvtier.errors import AccessDenied
+from kvtier.errors import AccessDenied, ScopeError
 from kvtier.store import TieredStore
 from kvtier.tenancy import Policy
 from storage_backends.lmdb import LmdbTier
@@ -168,6 +168,9 @@ def test_purge_rights(tmp_path) -> None:
                        (ACME_ADMIN, "public"), (ACME_ADMIN, "user:globex/bob")]:
         with pytest.raises(AccessDenied):
             cache.purge(who, scope)
+    for bad in ("user:", "tenant", "user:acme alice", "bogus:x"):
+        with pytest.raises(ScopeError):
+            cache.purge(OPERATOR, bad)
     assert cache.purge(ALICE, "session").total == 0
     assert cache.purge(ACME_ADMIN, "user:acme/alice").total == 0
     assert cache.purge(ACME_ADMIN, "org:acme/eng").total == 0
