@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,8 +38,9 @@ DEFAULT_DIR = ".kvtier/s3"
 ACCESS_KEY = "kvtier"
 SECRET_KEY = "kvtier-secret"
 _PROBE_OBJECT = ".kvtier-ready"
-#: Log lines after which ``weed mini`` never becomes ready (it logs them and keeps running).
-_FATAL_LOG_MARKERS = ("Port allocation failed", "address already in use", "cannot be used", "F1")
+#: Log lines after which ``weed mini`` never becomes ready (it may log them and keep running):
+#: glog fatal lines ("Fmmdd ...") and port clashes.
+_FATAL_LOG_RE = re.compile(r"^F\d{4} |Port allocation failed|address already in use|cannot be used")
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,7 +119,8 @@ class EmbeddedS3:
     ) -> None:
         if len(bucket) < 3:
             raise ConfigError(f"EmbeddedS3.bucket: {bucket!r} is too short (S3 bucket names need >= 3 characters)")
-        self.data_dir = Path(data_dir)
+        # Absolute: weed runs with this as its working directory and it names the process in /proc.
+        self.data_dir = Path(data_dir).resolve()
         self.bucket = bucket
         self.host = host
         self.ports = ports
@@ -125,6 +128,7 @@ class EmbeddedS3:
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
+        self._log_start = 0  # where this run's lines begin in the (appended) log
 
     # -- addresses ---------------------------------------------------------------------------------
     @property
@@ -191,6 +195,7 @@ class EmbeddedS3:
 
     def _spawn(self, detach: bool) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        self._log_start = log.tell()
         try:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -231,8 +236,14 @@ class EmbeddedS3:
         )
 
     def _fatal_log_line(self) -> str | None:
-        for line in self.log_tail(8000).splitlines():
-            if any(line.startswith(m) if m == "F1" else m in line for m in _FATAL_LOG_MARKERS):
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read(1 << 20).decode(errors="replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if _FATAL_LOG_RE.search(line):
                 return line.strip()
         return None
 

@@ -388,7 +388,8 @@ class S3Tier(Tier):
 
     Counters: ``errors["unavailable"]``/``errors["timeout"]`` count tier calls that hit an
     unreachable/slow endpoint (or an open circuit), once per call; ``errors["dropped_put"]``
-    counts blocks not uploaded for that reason; ``errors["corrupt"]`` etc. count objects.
+    counts blocks not uploaded (endpoint trouble, or a refusal also counted as ``s3_error``);
+    ``errors["corrupt"]``, ``["unsupported_format"]`` etc. count objects.
     """
 
     name = "s3"
@@ -532,18 +533,6 @@ class S3Tier(Tier):
             raise ValueError("get_into needs one destination tensor per key")
         return self._read(keys, outs)
 
-    def _scratch(self, name: str, size: int) -> bytearray:
-        """This worker thread's reusable buffer of at least ``size`` bytes.
-
-        Faulting in fresh pages for every multi-MiB object costs more than the copy itself. A
-        buffer is replaced, never resized, so a memoryview still held elsewhere stays valid.
-        """
-        buf: bytearray | None = getattr(self._local, name, None)
-        if buf is None or len(buf) < size:
-            buf = bytearray(size)
-            setattr(self._local, name, buf)
-        return buf
-
     def _fetch(self, key: BlockKey) -> bytes | None:
         """The whole object; None when it is implausibly large (never read, never ours)."""
 
@@ -620,12 +609,17 @@ class S3Tier(Tier):
                 return "present"
             if cause is not None:
                 return cause
-        body = self._scratch("put", 0)
+        # Each worker thread encodes into its own reused buffer: faulting in fresh pages for every
+        # multi-MiB record costs more than the copy itself. It is trimmed to the record because
+        # boto3 takes a whole bytearray, not a view.
+        body: bytearray | None = getattr(self._local, "put_buffer", None)
+        if body is None:
+            body = self._local.put_buffer = bytearray()
         try:
-            del body[codec.encode_into(block, body, self.sealer) :]  # boto3 takes a whole bytearray, not a view
+            del body[codec.encode_into(block, body, self.sealer) :]
         except BufferError:  # a view of the buffer is still alive somewhere, so it cannot resize
             body = codec.encode(block, self.sealer)
-            self._local.put = bytearray()
+            self._local.put_buffer = bytearray()
         kw: dict[str, Any] = {"Bucket": self.config.bucket, "Key": self.namer.name(block.key), "Body": body,
                               "ContentType": "application/octet-stream"}
         if self.config.conditional_put:
