@@ -111,7 +111,7 @@ def _rows_for(srv: EmbeddedS3, blocks: list[Block], reps: int, tag: str) -> list
             got = tier.get_into(keys, outs)
             assert all(g is not None for g in got), "S3Tier missed a block it holds"
 
-        get, get_base = alternating_seconds(ours_get, base.get, 2 * reps + 1)  # reads are cheap: more reps
+        get, get_base = alternating_seconds(ours_get, base.get, 4 * reps + 1)  # reads are cheap: more reps
         got = tier.get(keys)
         assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True)), "s3 bytes"
         errors = tier.metrics.snapshot()["errors"]
