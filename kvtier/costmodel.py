@@ -230,14 +230,20 @@ def _octave(v: float) -> int:
 
 
 # -- profiles ---------------------------------------------------------------------------------------
+#: Upper bound of a tier's overlap penalty. Above 1 running load and compute together is slower
+#: than one after the other: on a CPU host a loader busy in Python (HTTP clients, decoding) and the
+#: model's Python glue take turns on the interpreter lock, and both compete for the same cores.
+MAX_OVERLAP_PENALTY = 10.0
+
+
 class TierProfile:
     """Transfer cost of one tier: ``latency_s + blocks * per_block_s + bytes / bandwidth_Bps``.
 
     Decryption is charged separately by the cost model (``encrypted``), and ``overlap`` is the
     fraction of the shorter of (load, compute) that is *not* hidden when the two run concurrently
     (0: perfect overlap; 1: fully serialised, e.g. both need the same CPU cores); it is an
-    exponential moving average of observed pipelined runs. Thread-safe through its fit and
-    ``_lock``.
+    exponential moving average of observed pipelined runs (up to MAX_OVERLAP_PENALTY: >1 is
+    slower than serial). Thread-safe through its fit and ``_lock``.
     """
 
     def __init__(
@@ -252,8 +258,8 @@ class TierProfile:
     ) -> None:
         if not bandwidth_Bps > 0:
             raise ConfigError(f"TierProfile({name!r}).bandwidth_Bps must be positive")
-        if not 0 <= overlap <= 1.5:
-            raise ConfigError(f"TierProfile({name!r}).overlap must be in [0, 1.5]")
+        if not 0 <= overlap <= MAX_OVERLAP_PENALTY:
+            raise ConfigError(f"TierProfile({name!r}).overlap must be in [0, {MAX_OVERLAP_PENALTY}]")
         self.name = name
         self.encrypted = encrypted
         self._fit = OnlineLinearFit(
@@ -303,7 +309,7 @@ class TierProfile:
 
     def observe_overlap(self, fraction: float, alpha: float = 0.3) -> None:
         with self._lock:
-            self._overlap += alpha * (min(max(fraction, 0.0), 1.5) - self._overlap)
+            self._overlap += alpha * (min(max(fraction, 0.0), MAX_OVERLAP_PENALTY) - self._overlap)
 
     def describe(self) -> dict[str, float | str | bool]:
         lat, pb, spb = self.coefficients()
@@ -530,6 +536,8 @@ class PlanStrategy(ABC):
 
 
 PLAN_STRATEGIES: dict[str, PlanStrategy] = {}
+#: Plans that use one mechanism only; every request has at least full-recompute.
+PURE_PLANS = frozenset({"full-reload", "full-recompute"})
 
 
 def register_plan(cls: type[PlanStrategy]) -> type[PlanStrategy]:
@@ -620,6 +628,7 @@ class CostModel:
         decrypt_Bps: float = 2e9,
         host_to_device: HostToDeviceProfile | None = None,
         front_copies: int = 2,
+        mixed_margin: float = 0.05,
     ) -> None:
         if not decrypt_Bps > 0:
             raise ConfigError("CostModel.decrypt_Bps must be positive")
@@ -629,6 +638,9 @@ class CostModel:
         #: run: 2 for PrefillRunner (cache -> blocks -> cache joined with the loaded back), 0 for
         #: an engine that keeps the front in its own paged cache and only copies the back in.
         self.front_copies = front_copies
+        if not 0 <= mixed_margin < 1:
+            raise ConfigError("CostModel.mixed_margin must be in [0, 1)")
+        self.mixed_margin = mixed_margin
         self.prefill = prefill
         self.tiers: dict[str, TierProfile] = dict(tiers)
         self.decrypt_Bps = decrypt_Bps
@@ -724,8 +736,17 @@ class CostModel:
             np.array(lat), np.array(per_block), np.array(ovl),
         )
         options = [o for s in PLAN_STRATEGIES.values() if (o := s.best(ctx)) is not None]
-        chosen = min(options, key=lambda o: o.predicted_ms)  # ties: registry order (simplest first)
-        return Plan(chosen, tuple(options), lookup.length, layout.block_tokens, new_tokens)
+        return Plan(self._choose(options), tuple(options), lookup.length, layout.block_tokens, new_tokens)
+
+    def _choose(self, options: Sequence[PlanOption]) -> PlanOption:
+        """The fastest option; a mixed plan (split, pipelined) must beat the best pure plan by
+        ``mixed_margin``, because it has more ways to go wrong (two mechanisms, contention)."""
+        pure = [o for o in options if o.name in PURE_PLANS]
+        best_pure = min(pure, key=lambda o: o.predicted_ms)
+        best = min(options, key=lambda o: o.predicted_ms)  # ties: registry order (simplest first)
+        if best.name not in PURE_PLANS and best.predicted_ms > best_pure.predicted_ms * (1 - self.mixed_margin):
+            return best_pure
+        return best
 
     def describe(self) -> dict[str, object]:
         return {

@@ -1,0 +1,721 @@
+"""`kvtier bench reload-vs-recompute`: measure every plan for real and score the cost model's choice.
+
+For each case (model size x prefix length x tier setup) the benchmark
+
+1. asks the store for a plan (``TieredStore.plan``) *before* measuring anything of that case;
+2. executes every plan the cost model considered, for real: blocks come from the tier through
+   the store, KV is computed by a random-weight Llama in transformers (kvtier.prefill), and the
+   pipelined plan really loads the back on a thread while the front is computed;
+3. checks that every plan produced the same next-token logits as computing everything;
+4. records measured and predicted times, what the model chose, the best measured plan and the
+   regret ``measured(chosen) / measured(best) - 1``, then lets the model learn from the runs.
+
+The baseline of every ratio (the best plan) is measured in the same run on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import progress, table, write_json
+from kvtier.block import Block
+from kvtier.costmodel import (
+    CostModel,
+    PlanOption,
+    TierProbe,
+    TierProfile,
+    probe_decrypt,
+    probe_host_to_device,
+    probe_prefill,
+    probe_tier,
+)
+from kvtier.errors import ConfigError, KvtierError, TierUnavailable
+from kvtier.keys import BlockKey, DomainDeriver, Scope, Segment, block_chain
+from kvtier.layout import KVLayout
+from kvtier.models import ModelSpec, model_spec
+from kvtier.prefill import PrefillRunner
+from kvtier.store import Lookup, TieredStore, TierRun
+from kvtier.throttle import ThrottledTier
+from kvtier.tier import Tier
+from storage_backends.lmdb import LmdbTier
+from storage_backends.memory import MemoryTier
+
+_DERIVER = DomainDeriver(b"kvtier-bench-reload-vs-recompute-secret")
+PLANS = ("full-reload", "full-recompute", "split", "pipelined")
+
+
+# -- configuration ----------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class SweepConfig:
+    """What to sweep. ``prefixes`` are per model (long prefixes only where a prefill stays affordable)."""
+
+    models: tuple[str, ...]
+    prefixes: dict[str, tuple[int, ...]]
+    setups: tuple[str, ...]
+    new_tokens: int = 32
+    link_bandwidth_Bps: float = 25e6
+    link_latency_s: float = 0.002
+    seed: int = 0
+    #: Seconds of measurement each plan may take per case (see _repeats).
+    repeat_budget_s: float = 3.0
+
+
+FULL = SweepConfig(
+    models=("tiny", "small", "medium"),
+    prefixes={
+        "tiny": (64, 256, 1024, 4096, 16384, 32768),
+        "small": (64, 256, 1024, 4096, 16384),
+        "medium": (64, 256, 1024, 4096),
+    },
+    setups=("memory", "lmdb", "lmdb+enc", "s3", "s3+enc", "s3-link", "memory+s3-link"),
+)
+QUICK = SweepConfig(
+    models=("tiny", "small"),
+    prefixes={"tiny": (64, 1024, 4096), "small": (64, 1024, 4096)},
+    setups=("memory", "lmdb+enc", "s3", "s3-link", "memory+s3-link"),
+    repeat_budget_s=1.5,
+)
+
+
+# -- environment: servers, keys, directories ---------------------------------------------------------
+class BenchEnv:
+    """Resources shared by every setup of one run: a work directory, an embedded SeaweedFS (when the
+    S3 backend is available), a key ring for encrypted tiers (when kvtier.crypto is available).
+
+    Owned by ``run``; ``close`` stops the server and removes nothing the user passed in.
+    """
+
+    def __init__(self, workdir: Path, config: SweepConfig, want_s3: bool) -> None:
+        self.workdir = workdir
+        self.config = config
+        self.stack = ExitStack()
+        self.s3: Any = None
+        self.s3_error: str | None = None
+        self.sealer: Any = None
+        self.crypto_error: str | None = None
+        self.run_id = uuid.uuid4().hex[:8]
+        if want_s3:
+            self._start_s3()
+        self._make_sealer()
+
+    def _start_s3(self) -> None:
+        try:
+            from kvtier.embedded_s3 import EmbeddedS3
+        except ModuleNotFoundError as exc:
+            self.s3_error = f"S3 backend not available ({exc.name} missing)"
+            return
+        progress("starting embedded SeaweedFS (S3 on loopback)")
+        srv = EmbeddedS3(self.workdir / "seaweedfs", bucket="kvtier-bench", volume_size_limit_mb=256)
+        srv.start()
+        self.stack.callback(srv.kill)
+        self.s3 = srv
+
+    def _make_sealer(self) -> None:
+        try:
+            from kvtier.crypto import KeyRing, LmdbWrappedKeyStore, LocalKeyProvider
+        except ModuleNotFoundError as exc:
+            self.crypto_error = f"encryption not available ({exc.name} missing)"
+            return
+        store = LmdbWrappedKeyStore(self.workdir / "keys", sync=False)
+        self.stack.callback(store.close)
+        self.sealer = KeyRing(LocalKeyProvider(os.urandom(32), source="benchmark"), store)
+
+    def s3_tier(self, *, encrypted: bool) -> Tier:
+        if self.s3 is None:
+            raise ConfigError(self.s3_error or "S3 was not started")
+        from storage_backends.s3 import S3Tier
+
+        prefix = f"rvr-{self.run_id}-{uuid.uuid4().hex[:6]}"
+        return S3Tier(self.s3.s3_config(prefix), sealer=self.sealer if encrypted else None)
+
+    def link(self, inner: Tier, name: str) -> ThrottledTier:
+        c = self.config
+        return ThrottledTier(inner, bandwidth_Bps=c.link_bandwidth_Bps, latency_s=c.link_latency_s, name=name,
+                             throttle_puts=False)
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+# -- tier setups (strategies) -----------------------------------------------------------------------
+class TierSetup(ABC):
+    """How one swept "tier" is built and where a case's prefix blocks are placed.
+
+    ``build`` returns the store's tiers fastest first; ``prepare`` stores a model's whole chain
+    once (directly into the backing tiers, not through an emulated link, and untimed); ``arrange``
+    makes the layout a case needs (most setups need nothing per case).
+    """
+
+    name: str
+    encrypted: bool = False
+    needs_s3: bool = False
+
+    def available(self, env: BenchEnv) -> str | None:
+        """None when this setup can run here, else the reason it is skipped."""
+        if self.needs_s3 and env.s3 is None:
+            return env.s3_error or "S3 not started"
+        if self.encrypted and env.sealer is None:
+            return env.crypto_error
+        return None
+
+    @abstractmethod
+    def build(self, env: BenchEnv) -> list[Tier]: ...
+
+    def prepare(self, store: TieredStore, blocks: Sequence[Block]) -> None:
+        _put_all(_backing(store.tiers[-1]), blocks)
+
+    def arrange(self, store: TieredStore, blocks: Sequence[Block], n: int) -> None:  # noqa: B027 - optional
+        """Per-case placement; the chain stored by ``prepare`` already serves every prefix length."""
+
+
+TIER_SETUPS: dict[str, TierSetup] = {}
+
+
+def register_setup(cls: type[TierSetup]) -> type[TierSetup]:
+    TIER_SETUPS[cls.name] = cls()
+    return cls
+
+
+@register_setup
+class MemorySetup(TierSetup):
+    name = "memory"
+
+    def build(self, env: BenchEnv) -> list[Tier]:
+        return [MemoryTier(4 << 30)]
+
+
+@register_setup
+class LmdbSetup(TierSetup):
+    name = "lmdb"
+
+    def build(self, env: BenchEnv) -> list[Tier]:
+        return [LmdbTier(env.workdir / f"lmdb-{self.name}", 8 << 30, sealer=env.sealer if self.encrypted else None,
+                         sync=False)]
+
+
+@register_setup
+class EncryptedLmdbSetup(LmdbSetup):
+    name = "lmdb+enc"
+    encrypted = True
+
+
+@register_setup
+class S3Setup(TierSetup):
+    name = "s3"
+    needs_s3 = True
+
+    def build(self, env: BenchEnv) -> list[Tier]:
+        return [env.s3_tier(encrypted=self.encrypted)]
+
+
+@register_setup
+class EncryptedS3Setup(S3Setup):
+    name = "s3+enc"
+    encrypted = True
+
+
+@register_setup
+class LinkedS3Setup(S3Setup):
+    """S3 behind an emulated network link (bandwidth cap + round trip), like a remote object store."""
+
+    name = "s3-link"
+
+    def build(self, env: BenchEnv) -> list[Tier]:
+        return [env.link(env.s3_tier(encrypted=False), "s3-link")]
+
+
+@register_setup
+class MemoryFrontLinkedS3Setup(LinkedS3Setup):
+    """The first half of each prefix in memory, the rest only behind the link: where ``split`` should win."""
+
+    name = "memory+s3-link"
+
+    def build(self, env: BenchEnv) -> list[Tier]:
+        return [MemoryTier(4 << 30), *super().build(env)]
+
+    def arrange(self, store: TieredStore, blocks: Sequence[Block], n: int) -> None:
+        front = store.tiers[0]
+        front.delete([b.key for b in blocks])
+        _put_all(front, blocks[: n // 2])
+
+
+def _backing(tier: Tier) -> Tier:
+    return tier.inner if isinstance(tier, ThrottledTier) else tier
+
+
+def _put_all(tier: Tier, blocks: Sequence[Block], batch: int = 256) -> None:
+    for i in range(0, len(blocks), batch):
+        res = tier.put(blocks[i : i + batch])
+        if res.rejected:
+            raise TierUnavailable(f"tier {tier.name!r} refused {len(res.rejected)} benchmark blocks (no room?)")
+
+
+# -- executing plans --------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Execution:
+    """One measured run of a plan: its time to first token and the logits it produced."""
+
+    ttft_s: float
+    logits: torch.Tensor
+
+
+class PlanExecutor:
+    """Runs a PlanOption for real against a store and a model, and feeds what it saw to the cost model.
+
+    Non-overlapped prefills and assemblies are observed; transfers are observed by the store
+    itself; in a pipelined run the loader thread is marked ``overlapped`` (its transfers ran
+    concurrently with compute) and the concurrent phase calibrates the overlap penalty instead.
+    """
+
+    def __init__(self, store: TieredStore, runner: PrefillRunner, cost_model: CostModel) -> None:
+        self.store = store
+        self.runner = runner
+        self.cm = cost_model
+        self.layout = runner.layout
+        self._level = {t.name: i for i, t in enumerate(store.tiers)}
+
+    def run(self, opt: PlanOption, keys: Sequence[BlockKey], prefix: torch.Tensor, new: torch.Tensor) -> Execution:
+        return self._pipelined(opt, keys, prefix, new) if opt.overlapped else self._sequential(opt, keys, prefix, new)
+
+    def _load(self, opt: PlanOption, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
+        if not opt.load:
+            return []
+        first = opt.load[0].start
+        want = keys[first : first + opt.load_blocks]
+        lk = Lookup(tuple(TierRun(self._level[r.tier], r.tier, r.start - first, r.count) for r in opt.load), len(want))
+        got = self.store.get(want, lookup=lk)
+        if len(got) != len(want):
+            raise TierUnavailable(f"plan {opt.name}: only {len(got)} of {len(want)} blocks could be loaded")
+        return [b.data for b in got]
+
+    def _sequential(self, opt: PlanOption, keys: Sequence[BlockKey], prefix: torch.Tensor,
+                    new: torch.Tensor) -> Execution:
+        t0 = time.perf_counter()
+        past = self._load(opt, keys)
+        tokens = torch.cat([prefix[opt.recompute_start :], new])
+        res = self.runner.prefill(tokens, past_blocks=past, extract=False)
+        ttft = time.perf_counter() - t0
+        ctx = len(past) * self.layout.block_tokens
+        self.cm.observe_prefill(tokens.numel(), ctx, res.timing.forward_s)
+        if past:
+            self.cm.observe_assemble(len(past) * self.layout.bytes_per_block, res.timing.assemble_s)
+        return Execution(ttft, res.logits_last)
+
+    def _pipelined(self, opt: PlanOption, keys: Sequence[BlockKey], prefix: torch.Tensor,
+                   new: torch.Tensor) -> Execution:
+        back: list[torch.Tensor] = []
+        errors: list[BaseException] = []
+
+        def loader() -> None:
+            try:
+                with self.cm.overlapped():
+                    back.extend(self._load(opt, keys))
+            except BaseException as exc:  # re-raised on the measuring thread below
+                errors.append(exc)
+
+        th = threading.Thread(target=loader, name="kvtier-bench-loader")
+        t0 = time.perf_counter()
+        th.start()
+        front = self.runner.prefill(prefix[: opt.recompute_tokens])
+        th.join()
+        t_join = time.perf_counter()
+        if errors:
+            raise errors[0]
+        res = self.runner.prefill(new, past_blocks=front.new_blocks + back, extract=False)
+        ttft = time.perf_counter() - t0
+        self.cm.observe_overlap(opt, self.layout, t_join - t0)
+        self.cm.observe_prefill(new.numel(), len(prefix), res.timing.forward_s)
+        return Execution(ttft, res.logits_last)
+
+
+# -- cases ------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class CaseResult:
+    model: str
+    prefix_tokens: int
+    new_tokens: int
+    tier: str
+    encrypted: bool
+    measured_ms: dict[str, float]
+    predicted_ms: dict[str, float]
+    chosen: str
+    best: str
+    regret: float
+    split_points: dict[str, int] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)
+    plan_ms: float = 0.0
+    max_logit_diff: float = 0.0
+
+
+def logits_agree(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max |a - b| relative to the logits' spread; bf16 KV reuse stays far below 0.05."""
+    return float((a - b).abs().max() / b.std().clamp_min(1e-6))
+
+
+LOGIT_TOLERANCE = 0.05
+
+
+class ModelBench:
+    """One model size: its runner, cost-model profiles, token stream and the KV of its longest prefix."""
+
+    def __init__(self, spec: ModelSpec, config: SweepConfig) -> None:
+        self.spec = spec
+        self.layout: KVLayout = spec.layout()
+        progress(f"{spec.name}: building model ({spec.num_layers} layers, hidden {spec.hidden_size}, {spec.dtype})")
+        self.runner = PrefillRunner(spec.build(config.seed), self.layout)
+        self.runner.warmup()
+        progress(f"{spec.name}: start-up probe (prefill, host copies)")
+        self.prefill_profile = probe_prefill(self.runner)
+        self.h2d = probe_host_to_device(self.runner)
+        n_max = max(config.prefixes[spec.name])
+        gen = torch.Generator().manual_seed(config.seed + 1)
+        self.tokens = torch.randint(0, spec.vocab_size, (n_max + config.new_tokens,), generator=gen)
+        progress(f"{spec.name}: computing the KV of a {n_max}-token prefix once (the blocks every tier will hold)")
+        kv = self.runner.prefill(self.tokens[:n_max]).new_blocks
+        chain = block_chain(self.layout, [Segment(self.tokens[:n_max].tolist(), Scope.public())], _DERIVER)
+        self.blocks = [Block.build(self.layout, c.key, c.domain, d, parent=c.parent, index=c.index)
+                       for c, d in zip(chain, kv, strict=True)]
+        self.keys = [b.key for b in self.blocks]
+
+
+def _repeats(predicted_ms: float, budget_s: float) -> int:
+    """Runs of one plan in one case: as many as fit ``budget_s`` (2..5); one for very long plans,
+    whose gap to the alternatives dwarfs the noise."""
+    seconds = max(predicted_ms / 1e3, 1e-3)
+    return max(1 if seconds > LONG_PLAN_S else 2, min(5, int(budget_s / seconds)))
+
+
+LONG_PLAN_S = 5.0
+
+
+def run_case(mb: ModelBench, setup: TierSetup, store: TieredStore, cm: CostModel, n: int,
+             config: SweepConfig) -> CaseResult:
+    bt = mb.layout.block_tokens
+    blocks_n = n // bt
+    keys = mb.keys[:blocks_n]
+    prefix = mb.tokens[:n]
+    new = mb.tokens[n : n + config.new_tokens]
+    setup.arrange(store, mb.blocks, blocks_n)
+    t0 = time.perf_counter()
+    plan = store.plan(keys, config.new_tokens, mb.layout)  # decided before anything of this case ran
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    if plan.cached_blocks != blocks_n:
+        raise TierUnavailable(f"{setup.name}: lookup found {plan.cached_blocks} of {blocks_n} blocks")
+    executor = PlanExecutor(store, mb.runner, cm)
+    reps = {o.name: _repeats(o.predicted_ms, config.repeat_budget_s) for o in plan.options}
+    times: dict[str, list[float]] = {o.name: [] for o in plan.options}
+    reference: torch.Tensor | None = None
+    worst = 0.0
+    order = list(plan.options)
+    for r in range(max(reps.values())):
+        # Rotate the order each round so slow drift on a shared machine does not favour one plan.
+        for opt in order[r % len(order) :] + order[: r % len(order)]:
+            if len(times[opt.name]) >= reps[opt.name]:
+                continue
+            ex = executor.run(opt, keys, prefix, new)
+            times[opt.name].append(ex.ttft_s)
+            if reference is None:
+                reference = ex.logits
+            else:
+                worst = max(worst, logits_agree(ex.logits, reference))
+    if worst > LOGIT_TOLERANCE:
+        raise KvtierError(f"{mb.spec.name}/{setup.name}/{n}: plans disagree on the next-token logits "
+                          f"(max deviation {worst:.3f} of the logit spread)")
+    measured = {k: min(v) * 1e3 for k, v in times.items()}
+    best = min(measured, key=measured.__getitem__)
+    regret = measured[plan.name] / measured[best] - 1.0
+    splits = {o.name: (o.recompute_tokens if o.overlapped else o.recompute_start) for o in plan.options
+              if o.name in ("split", "pipelined")}
+    return CaseResult(mb.spec.name, n, config.new_tokens, setup.name, setup.encrypted, measured, plan.predicted_ms,
+                      plan.name, best, regret, splits, {k: len(v) for k, v in times.items()}, plan_ms, worst)
+
+
+# -- the sweep --------------------------------------------------------------------------------------
+@contextmanager
+def _workdir(path: str | None) -> Iterator[Path]:
+    if path:
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        yield p
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvtier-rvr-") as td:
+            yield Path(td)
+
+
+def sweep(config: SweepConfig, workdir: Path, *, want_s3: bool) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    env = BenchEnv(workdir, config, want_s3)
+    skipped: dict[str, str] = {}
+    stores: dict[str, TieredStore] = {}
+    try:
+        for name in config.setups:
+            setup = TIER_SETUPS[name]
+            why = setup.available(env)
+            if why:
+                skipped[name] = why
+                progress(f"skipping tier setup {name}: {why}")
+                continue
+            stores[name] = TieredStore(setup.build(env), promote=False)
+        decrypt = probe_decrypt()
+        profiles: dict[str, TierProfile] = {}
+        engines: dict[str, dict[str, Any]] = {}
+        cases: list[CaseResult] = []
+        models = [model_spec(m) for m in config.models]
+        total = sum(len(config.prefixes[m.name]) for m in models) * len(stores)
+        for mi, spec in enumerate(models):
+            mb = ModelBench(spec, config)
+            if mi == 0:
+                _probe_tiers(stores, profiles, decrypt, mb.runner)
+            cm = CostModel(mb.prefill_profile, profiles, decrypt_Bps=decrypt, host_to_device=mb.h2d)
+            for name, store in stores.items():
+                setup = TIER_SETUPS[name]
+                progress(f"{spec.name}/{name}: storing {len(mb.blocks)} blocks "
+                         f"({len(mb.blocks) * mb.layout.bytes_per_block / 2**20:.1f} MiB)")
+                setup.prepare(store, mb.blocks)
+                store.cost_model = cm
+                for n in config.prefixes[spec.name]:
+                    res = run_case(mb, setup, store, cm, n, config)
+                    cases.append(res)
+                    progress(f"[{len(cases)}/{total}] {spec.name} {name} {n:>6} tok: chose {res.chosen:<14} "
+                             f"best {res.best:<14} regret {res.regret:6.3f}  "
+                             + " ".join(f"{k}={v:.1f}ms" for k, v in res.measured_ms.items()))
+                for t in store.tiers:
+                    _backing(t).delete(mb.keys)
+            engines[spec.name] = {"prefill": cm.prefill.describe(), "host_to_device": cm.host_to_device.describe()}
+        return _report(config, cases, skipped, profiles, engines, decrypt, time.perf_counter() - t_start)
+    finally:
+        for store in stores.values():
+            store.close()
+        env.close()
+
+
+def _probe_tiers(stores: dict[str, TieredStore], profiles: dict[str, TierProfile], decrypt: float,
+                 runner: PrefillRunner) -> None:
+    spec = TierProbe()
+    for store in stores.values():
+        for tier in store.tiers:
+            if tier.name in profiles:
+                continue  # same name, same hardware: one profile (e.g. the link in two setups)
+            progress(f"probing tier {tier.name}")
+            profiles[tier.name] = probe_tier(tier, decrypt_Bps=decrypt, spec=spec,
+                                             compute=lambda: runner.time_forward(1024, 0))
+
+
+def _report(config: SweepConfig, cases: list[CaseResult], skipped: dict[str, str],
+            profiles: dict[str, TierProfile], engines: dict[str, Any], decrypt: float,
+            seconds: float) -> dict[str, Any]:
+    regrets = [c.regret for c in cases]
+    mixed = [
+        {"model": c.model, "prefix_tokens": c.prefix_tokens, "tier": c.tier, "plan": c.best,
+         "gain_vs_best_pure": round(min(c.measured_ms["full-reload"], c.measured_ms["full-recompute"])
+                                    / c.measured_ms[c.best] - 1.0, 4)}
+        for c in cases if c.best in ("split", "pipelined")
+    ]
+    return {
+        "benchmark": "reload-vs-recompute",
+        "cases": [asdict(c) for c in cases],
+        "summary": {
+            "median_regret": statistics.median(regrets) if regrets else math.nan,
+            "max_regret": max(regrets) if regrets else math.nan,
+            "cases": len(cases),
+            "chosen_is_best": sum(c.chosen == c.best for c in cases),
+            "best_counts": {p: sum(c.best == p for c in cases) for p in PLANS},
+            "chosen_counts": {p: sum(c.chosen == p for c in cases) for p in PLANS},
+            "mixed_plan_wins": mixed,
+            "seconds": round(seconds, 1),
+        },
+        "skipped_setups": skipped,
+        "config": {**asdict(config), "prefixes": {k: list(v) for k, v in config.prefixes.items()}},
+        "calibration": {"decrypt_GBps": decrypt / 1e9,
+                        "tiers": {k: p.describe() for k, p in profiles.items()},
+                        "engines": engines},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+    }
+
+
+# -- output -----------------------------------------------------------------------------------------
+def print_table(result: dict[str, Any]) -> None:
+    rows = []
+    for c in result["cases"]:
+        m = c["measured_ms"]
+        rows.append({"model": c["model"], "prefix": c["prefix_tokens"], "tier": c["tier"],
+                     "reload": m.get("full-reload"), "recompute": m.get("full-recompute"), "split": m.get("split"),
+                     "pipelined": m.get("pipelined"), "chosen": c["chosen"], "best": c["best"],
+                     "regret": c["regret"]})
+    print(table(rows, [("model", "model", ""), ("prefix", "prefix", "d"), ("tier", "tier", ""),
+                       ("reload", "reload ms", ".1f"), ("recompute", "recompute ms", ".1f"),
+                       ("split", "split ms", ".1f"), ("pipelined", "pipelined ms", ".1f"),
+                       ("chosen", "chosen", ""), ("best", "best", ""), ("regret", "regret", ".3f")]))
+    s = result["summary"]
+    print(f"\ncases {s['cases']}  median regret {s['median_regret']:.4f}  max regret {s['max_regret']:.4f}  "
+          f"chosen = best in {s['chosen_is_best']}  ({s['seconds']:.0f} s)")
+    if s["mixed_plan_wins"]:
+        print("split/pipelined measured best in:")
+        for w in s["mixed_plan_wins"]:
+            print(f"  {w['model']:<7} {w['prefix_tokens']:>6} {w['tier']:<15} {w['plan']:<10} "
+                  f"{100 * w['gain_vs_best_pure']:.1f}% faster than the better pure plan")
+    if result["skipped_setups"]:
+        print("skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped_setups"].items()))
+
+
+def crossover(xs: Sequence[float], a: Sequence[float], b: Sequence[float]) -> float | None:
+    """First prefix length where curve ``a`` drops below ``b`` (log-log interpolation), if any."""
+    for i in range(1, len(xs)):
+        d0 = math.log(a[i - 1]) - math.log(b[i - 1])
+        d1 = math.log(a[i]) - math.log(b[i])
+        if d0 > 0 >= d1:
+            f = d0 / (d0 - d1)
+            return math.exp(math.log(xs[i - 1]) + f * (math.log(xs[i]) - math.log(xs[i - 1])))
+    return None
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = result["cases"]
+    models = list(dict.fromkeys(c["model"] for c in cases))
+    tiers = list(dict.fromkeys(c["tier"] for c in cases))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [c for c in cases if c["model"] == model]
+        xs = sorted({c["prefix_tokens"] for c in mine})
+        recompute = [statistics.median(c["measured_ms"]["full-recompute"] for c in mine if c["prefix_tokens"] == x)
+                     for x in xs]
+        ax.plot(xs, recompute, color="black", lw=2.5, label="recompute (all tiers)")
+        for ti, tier in enumerate(tiers):
+            pts = sorted((c["prefix_tokens"], c["measured_ms"]["full-reload"]) for c in mine if c["tier"] == tier)
+            if not pts:
+                continue
+            tx, ty = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(tx, ty, marker="o", ms=3, color=colors(ti), label=f"reload: {tier}")
+            rc = [recompute[xs.index(x)] for x in tx]
+            x_cross = crossover(tx, ty, rc)  # where reload becomes cheaper than recompute
+            if x_cross is not None:
+                yi = math.exp(_interp_log(tx, ty, x_cross))
+                ax.plot([x_cross], [yi], marker="X", ms=11, color=colors(ti), mec="black")
+                ax.annotate(f"{x_cross:,.0f}", (x_cross, yi), textcoords="offset points", xytext=(4, -12),
+                            fontsize=7, color=colors(ti))
+            wins = [c for c in mine if c["tier"] == tier and c["best"] in ("split", "pipelined")]
+            for c in wins:
+                ax.plot([c["prefix_tokens"]], [c["measured_ms"][c["best"]]], marker="*", ms=9, color=colors(ti),
+                        mec="black", mew=0.5, ls="none")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{model}: time to first token")
+        ax.set_xlabel("cached prefix (tokens)")
+        ax.set_ylabel("ms (measured)")
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    s = result["summary"]
+    fig.suptitle(f"reload vs recompute (X: crossover, *: split/pipelined best) - median regret "
+                 f"{s['median_regret']:.3f}, max {s['max_regret']:.3f} over {s['cases']} cases", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    progress(f"wrote {path}")
+
+
+def _interp_log(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    for i in range(1, len(xs)):
+        if xs[i - 1] <= x <= xs[i]:
+            f = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+            return math.log(ys[i - 1]) + f * (math.log(ys[i]) - math.log(ys[i - 1]))
+    return math.log(ys[-1])
+
+
+# -- CLI --------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
+    p.add_argument("--plot", metavar="PNG", help="draw reload vs recompute per tier (crossovers marked) to PNG")
+    p.add_argument("--quick", action="store_true", help="two small models, three prefix lengths (< 3 minutes)")
+    p.add_argument("--models", help="comma-separated model sizes (default: the sweep's)")
+    p.add_argument("--tiers", help=f"comma-separated tier setups, from: {', '.join(TIER_SETUPS)}")
+    p.add_argument("--prefixes", help="comma-separated prefix lengths in tokens, for every model")
+    p.add_argument("--link-mbps", type=float, help="emulated link bandwidth in MB/s (default 25)")
+    p.add_argument("--link-latency-ms", type=float, help="emulated link round trip in ms (default 2)")
+    p.add_argument("--no-s3", action="store_true", help="do not start SeaweedFS (S3 setups are skipped)")
+    p.add_argument("--workdir", metavar="DIR", help="directory for LMDB/SeaweedFS data (default: a temp dir)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for the model (default 1: the other core serves the loader "
+                        "thread and the S3 server, and oversubscribed OpenMP on a shared 2-core host makes "
+                        "multi-threaded timings swing by 100x)")
+
+
+def config_from_args(args: argparse.Namespace) -> SweepConfig:
+    base = QUICK if args.quick else FULL
+    changes: dict[str, Any] = {}
+    if args.models:
+        models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+        for m in models:
+            model_spec(m)  # raises ConfigError naming the unknown size
+        changes["models"] = models
+    models = changes.get("models", base.models)
+    if args.prefixes:
+        try:
+            lens = tuple(int(x) for x in args.prefixes.split(","))
+        except ValueError:
+            raise ConfigError(f"--prefixes: expected comma-separated integers, got {args.prefixes!r}") from None
+        changes["prefixes"] = {m: lens for m in models}
+    else:
+        changes["prefixes"] = {m: base.prefixes.get(m, FULL.prefixes[m]) for m in models}
+    for m, lens in changes["prefixes"].items():
+        bt = model_spec(m).block_tokens
+        if not lens or any(n < 2 * bt or n % bt for n in lens):
+            raise ConfigError(f"--prefixes: lengths must be multiples of {bt} tokens and at least {2 * bt}")
+        if max(lens) + base.new_tokens > model_spec(m).max_positions:
+            raise ConfigError(f"--prefixes: {max(lens)} tokens exceed what model {m} can position")
+    if args.tiers:
+        setups = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+        unknown = [t for t in setups if t not in TIER_SETUPS]
+        if unknown or not setups:
+            raise ConfigError(f"--tiers: unknown {unknown}; choose from {list(TIER_SETUPS)}")
+        changes["setups"] = setups
+    if args.link_mbps is not None:
+        if not args.link_mbps > 0:
+            raise ConfigError("--link-mbps must be positive")
+        changes["link_bandwidth_Bps"] = args.link_mbps * 1e6
+    if args.link_latency_ms is not None:
+        if args.link_latency_ms < 0:
+            raise ConfigError("--link-latency-ms must be >= 0")
+        changes["link_latency_s"] = args.link_latency_ms / 1e3
+    return SweepConfig(**{**{k: getattr(base, k) for k in base.__slots__}, **changes})
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ConfigError(f"--plot: expected a .png path, got {args.plot!r}")
+    if args.threads < 1:
+        raise ConfigError("--threads must be >= 1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with _workdir(args.workdir) as wd:
+            result = sweep(config, wd, want_s3=not args.no_s3)
+    finally:
+        torch.set_num_threads(threads)
+    print_table(result)
+    write_json(args.json, result)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
