@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,22 +123,16 @@ class AuditLog:
     def _locked(self) -> _FileLock:
         return _FileLock(self._lock, self._fd)
 
-    def _lines(self) -> Iterator[tuple[int, bytes]]:
-        with open(self.path, "rb") as f:
-            yield from enumerate(f, start=1)
+    @staticmethod
+    def read(path: str | os.PathLike[str]) -> list[AuditEvent]:
+        """Every event of the log at ``path``, chain verified, without opening it for writing."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"audit log {p} does not exist")
+        return _read_events(p)
 
     def _read_all(self) -> list[AuditEvent]:
-        out: list[AuditEvent] = []
-        prev, seq = GENESIS, 0
-        for n, raw in self._lines():
-            if not raw.endswith(b"\n"):
-                break  # torn tail written by a crashed append; never acknowledged
-            ev = _parse(raw, n)
-            if ev.prev != prev or ev.seq != seq + 1 or _digest(prev, ev.body()) != ev.digest:
-                raise CorruptRecord(f"audit log {self.path} hash chain broken at line {n}")
-            out.append(ev)
-            prev, seq = ev.digest, ev.seq
-        return out
+        return _read_events(self.path)
 
     def _scan_tail(self) -> tuple[int, str]:
         events = self._read_all()
@@ -155,6 +149,21 @@ class AuditLog:
         if cut != size:
             os.truncate(self.path, cut)
             os.fsync(self._fd)
+
+
+def _read_events(path: Path) -> list[AuditEvent]:
+    out: list[AuditEvent] = []
+    prev, seq = GENESIS, 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):
+                break  # torn tail written by a crashed append; never acknowledged
+            ev = _parse(raw, n)
+            if ev.prev != prev or ev.seq != seq + 1 or _digest(prev, ev.body()) != ev.digest:
+                raise CorruptRecord(f"audit log {path} hash chain broken at line {n}")
+            out.append(ev)
+            prev, seq = ev.digest, ev.seq
+    return out
 
 
 def _parse(raw: bytes, n: int) -> AuditEvent:
