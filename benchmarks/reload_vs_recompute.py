@@ -16,9 +16,12 @@ The baseline of every ratio (the best plan) is measured in the same run on the s
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -45,7 +48,7 @@ from kvtier.costmodel import (
     probe_tier,
 )
 from kvtier.errors import ConfigError, KvtierError, TierUnavailable
-from kvtier.keys import BlockKey, DomainDeriver, Scope, Segment, block_chain
+from kvtier.keys import PUBLIC, BlockKey, DomainDeriver, Scope, Segment, block_chain
 from kvtier.layout import KVLayout
 from kvtier.models import ModelSpec, model_spec
 from kvtier.prefill import PrefillRunner
@@ -55,7 +58,11 @@ from kvtier.tier import Tier
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 
-_DERIVER = DomainDeriver(b"kvtier-bench-reload-vs-recompute-secret")
+#: Scope-domain secret of the run; the daemon setup is started with the same one, so the keys this
+#: process derives are the keys the daemon would hand out.
+_SERVER_SECRET = b"kvtier-bench-reload-vs-recompute-secret"
+_DERIVER = DomainDeriver(_SERVER_SECRET)
+_ROOT = Path(__file__).resolve().parent.parent
 PLANS = ("full-reload", "full-recompute", "split", "pipelined")
 
 
@@ -142,6 +149,29 @@ class BenchEnv:
 
         prefix = f"rvr-{self.run_id}-{uuid.uuid4().hex[:6]}"
         return S3Tier(self.s3.s3_config(prefix), sealer=self.sealer if encrypted else None)
+
+    def daemon_tier(self) -> Tier:
+        """A GrpcTier on a ``kvtier serve`` daemon started for this run (memory tier inside)."""
+        from kvtier.server.localdeploy import LocalDeployment
+        from storage_backends.grpc import GrpcTier, GrpcTierConfig
+
+        dep = LocalDeployment(self.workdir / "daemon", server_secret=_SERVER_SECRET)
+        dep.write_config(memory_bytes=1 << 30, server={"log_level": "warning"})
+        ready = self.workdir / "daemon" / "ready.json"
+        progress("starting a kvtier daemon (gRPC on loopback)")
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
+                                 "--ready-file", str(ready)], cwd=_ROOT)
+        self.stack.callback(_stop, proc)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
+            time.sleep(0.1)
+        address = json.loads(ready.read_text())["address"]
+        token = dep.token("bench", "reload-vs-recompute", roles=("publish:public",), ttl_s=24 * 3600)
+        tier = GrpcTier(GrpcTierConfig(target=address, token=token, name="daemon"))
+        self.stack.callback(tier.close)
+        return tier
 
     def link(self, inner: Tier, name: str) -> ThrottledTier:
         c = self.config
@@ -252,6 +282,33 @@ class MemoryFrontLinkedS3Setup(LinkedS3Setup):
         front = store.tiers[0]
         front.delete([b.key for b in blocks])
         _put_all(front, blocks[: n // 2])
+
+
+@register_setup
+class DaemonSetup(TierSetup):
+    """A ``kvtier serve`` daemon on this host used as the tier (gRPC streams over loopback)."""
+
+    name = "daemon"
+
+    def available(self, env: BenchEnv) -> str | None:
+        try:
+            import kvtier.server.localdeploy  # noqa: F401
+            import storage_backends.grpc  # noqa: F401
+        except ModuleNotFoundError as exc:
+            return f"daemon not available ({exc.name} missing)"
+        return None
+
+    def build(self, env: BenchEnv) -> list[Tier]:
+        return [env.daemon_tier()]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _backing(tier: Tier) -> Tier:
@@ -512,7 +569,7 @@ def _probe_tiers(stores: dict[str, TieredStore], profiles: dict[str, TierProfile
             if tier.name in profiles:
                 continue  # same name, same hardware: one profile (e.g. the link in two setups)
             progress(f"probing tier {tier.name}")
-            profiles[tier.name] = probe_tier(tier, decrypt_Bps=decrypt, spec=spec,
+            profiles[tier.name] = probe_tier(tier, decrypt_Bps=decrypt, spec=spec, domain=_DERIVER.domain(PUBLIC),
                                              compute=lambda: runner.time_forward(1024, 0))
 
 

@@ -824,16 +824,16 @@ class TierProbe:
     overlap_max_blocks: int = 256
 
 
-def _probe_blocks(nbytes: int, n: int, seed: int) -> list[Block]:
+def _probe_blocks(nbytes: int, n: int, seed: int, domain: ScopeDomain = PROBE_DOMAIN) -> list[Block]:
     layout = KVLayout("kvtier-probe", num_layers=1, num_kv_heads=1, head_dim=nbytes // 2, dtype="uint8",
                       block_tokens=1, revision=f"{nbytes}")
     tag = layout.fingerprint[:LAYOUT_TAG_BYTES]
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        key = make_key(PROBE_DOMAIN, tag, os.urandom(32))
+        key = make_key(domain, tag, os.urandom(32))
         data = torch.randint(0, 256, layout.block_shape, generator=gen, dtype=torch.uint8)
-        out.append(Block.build(layout, key, PROBE_DOMAIN, data))
+        out.append(Block.build(layout, key, domain, data))
     return out
 
 
@@ -844,12 +844,15 @@ def probe_tier(
     compute: Callable[[], float] | None = None,
     spec: TierProbe | None = None,
     name: str | None = None,
+    domain: ScopeDomain = PROBE_DOMAIN,
 ) -> TierProfile:
     """Measure a tier with probe blocks of two sizes and fit its TierProfile.
 
     With ``compute`` (a callable that runs a prefill and returns its seconds) the overlap penalty
     is measured too: compute alone, a load of similar duration alone, then both at once. Raises
-    TierUnavailable when the tier does not hold or return the probe blocks.
+    TierUnavailable when the tier does not hold or return the probe blocks. ``domain`` is the scope
+    domain the probe blocks are written under (a tier that checks access, such as the daemon,
+    needs one the caller may write).
     """
     spec = spec or TierProbe()
     encrypted = getattr(tier, "sealer", None) is not None
@@ -857,7 +860,7 @@ def probe_tier(
     written: list[Block] = []
     try:
         for si, size in enumerate(spec.block_bytes):
-            blocks = _probe_blocks(size, sum(spec.counts) * spec.repeats, seed=si)
+            blocks = _probe_blocks(size, sum(spec.counts) * spec.repeats, seed=si, domain=domain)
             _put_all(tier, blocks)
             written += blocks
             it = iter(blocks)
@@ -872,7 +875,7 @@ def probe_tier(
                     dec = nbytes / decrypt_Bps if encrypted else 0.0
                     prof.observe(c, nbytes, max(dt - dec, 0.0))
         if compute is not None:
-            written += _probe_overlap(tier, prof, compute, spec, decrypt_Bps)
+            written += _probe_overlap(tier, prof, compute, spec, decrypt_Bps, domain)
     finally:
         if written:
             tier.delete([b.key for b in written])
@@ -880,12 +883,12 @@ def probe_tier(
 
 
 def _probe_overlap(tier: Tier, prof: TierProfile, compute: Callable[[], float], spec: TierProbe,
-                   decrypt_Bps: float) -> list[Block]:
+                   decrypt_Bps: float, domain: ScopeDomain) -> list[Block]:
     size = spec.block_bytes[-1]
     c_alone = min(compute(), compute())
     per_block = prof.predict(2, 2 * size) - prof.predict(1, size) + (size / decrypt_Bps if prof.encrypted else 0)
     n = int(min(spec.overlap_max_blocks, max(4, (c_alone - prof.latency_s) / max(per_block, 1e-9))))
-    blocks = _probe_blocks(size, n, seed=99)
+    blocks = _probe_blocks(size, n, seed=99, domain=domain)
     _put_all(tier, blocks)
     keys = [b.key for b in blocks]
     t0 = time.perf_counter()
