@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.replay import (
     MODES,
+    BeladyReference,
     Capacity,
     ReplayConfig,
     Replayer,
@@ -159,6 +160,19 @@ def test_bounded_capacity_never_beats_the_ideal_and_grows_with_capacity(trace: M
     hits = [r["hit_tokens"] for r in rates]
     assert hits[0] < hits[1] <= hits[2] == wl.ideal.hit_tokens
     assert rates[0]["evictions"] > rates[1]["evictions"]
+
+
+def test_belady_reference_bounds_the_online_policies(trace: MooncakeTrace):
+    wl = build_workload(MooncakeScenario(trace, limit=400), "mooncake", "shared", 512, MODES["meta"],
+                        show_progress=False)
+    oracle = BeladyReference(wl)
+    assert oracle.hit_tokens(wl.unique_blocks) == wl.ideal.hit_tokens
+    cap = Capacity(percent=5.0)
+    best_online = max(
+        replay(wl, ReplayConfig(p, (TierSpec("memory", cap),)), show_progress=False)["hit_tokens"]
+        for p in ("lru", "prefix-aware", "cost-aware")
+    )
+    assert best_online < oracle.hit_tokens(cap.resolve(wl.unique_blocks) or 0) <= wl.ideal.hit_tokens
 
 
 # -- never wrong bytes ------------------------------------------------------------------------------
