@@ -752,8 +752,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  seed-isolated   the same requests, each user's cache isolated\n"
         "  seed-segmented  the same requests, document public, questions private\n"
         "Capacities (--capacity-blocks, --tiers) are a block count, a percentage of the workload's\n"
-        "unique blocks (e.g. 5%%), or inf. --tiers lists levels fastest first, KIND:CAPACITY,\n"
-        "comma-separated, e.g. memory:5%%,lmdb:20%%. Kinds: memory, lmdb.\n"
+        "unique blocks (e.g. 5%), or inf. --tiers lists levels fastest first, KIND:CAPACITY,\n"
+        "comma-separated, e.g. memory:5%,lmdb:20%. Kinds: memory, lmdb.\n"
         "Rule: only full blocks are cached; hit tokens = block_tokens x leading blocks found.\n"
     )
     parser.add_argument("--trace", default="mooncake", metavar="SOURCE", help="trace file or scenario (see below)")
@@ -803,6 +803,10 @@ def run(args: argparse.Namespace) -> int:
     config = ReplayConfig(args.policy, _tiers_from(args), mode, args.bytes_per_token)
     if args.users <= 0:
         raise ConfigError(f"--users must be positive, got {args.users}")
+    if args.plot is not None and not args.sweep:
+        raise ConfigError("--plot applies to --sweep only")
+    if args.isolation is not None and args.isolation_table:
+        raise ConfigError("--isolation-table compares every isolation rule; drop --isolation")
     show = not args.quiet
     out: dict[str, object]
     if args.isolation_table:

@@ -78,6 +78,8 @@ def test_isolation_table(tmp_path: Path, capsys):
         (["--users", "0"], "--users"),
         (["--trace", "seed-shared", "--limit", "3"], "--limit"),
         (["--trace", "/nonexistent/trace.jsonl"], "not found"),
+        (["--plot", "x.png"], "--plot"),
+        (["--isolation-table", "--isolation", "shared"], "--isolation"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path: Path, capsys, argv, needle):
