@@ -1,0 +1,26 @@
+"""Smoke test of the crypto benchmark rows on tiny blocks: shape of the rows and byte checks only
+(speed targets are the benchmark's business, never a test's)."""
+
+from __future__ import annotations
+
+from benchmarks.crypto_bench import baseline_rows, codec_rows, lmdb_rows
+from benchmarks.tiers import make_blocks
+from tests.helpers import SMALL
+
+KEYS = {"tier", "op", "block_bytes", "gbps", "baseline", "baseline_gbps", "ratio", "plain_gbps", "overhead",
+        "bottleneck"}
+
+
+def test_rows_have_the_agreed_shape(tmp_path) -> None:
+    blocks = make_blocks(4, SMALL)
+    (tmp_path / "codec").mkdir()
+    (tmp_path / "lmdb").mkdir()
+    rows = baseline_rows(blocks, 1) + codec_rows(blocks, 1, tmp_path / "codec")
+    rows += lmdb_rows(blocks, 1, tmp_path / "lmdb")
+    assert [(r["tier"], r["op"]) for r in rows] == [
+        ("aes-gcm", "encrypt"), ("aes-gcm", "decrypt"), ("codec+aes", "seal"), ("codec+aes", "open"),
+        ("lmdb+aes", "put"), ("lmdb+aes", "get")]
+    for r in rows:
+        assert set(r) == KEYS and r["baseline"] == "aes-gcm" and r["block_bytes"] == SMALL.bytes_per_block
+        assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["bottleneck"] in ("aes", "tier")
+        assert abs(r["ratio"] - r["gbps"] / r["baseline_gbps"]) < 0.01
