@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from benchmarks.crypto_bench import baseline_rows, codec_rows, lmdb_rows
 from benchmarks.tiers import make_blocks
-from tests.helpers import SMALL
+from kvtier.layout import KVLayout
+
+#: 128 KiB blocks: big enough that rounded GB/s figures are not zero, small enough to be quick.
+MID = KVLayout("bench-smoke", num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_tokens=16)
 
 KEYS = {"tier", "op", "block_bytes", "gbps", "baseline", "baseline_gbps", "ratio", "plain_gbps", "overhead",
         "bottleneck"}
 
 
 def test_rows_have_the_agreed_shape(tmp_path) -> None:
-    blocks = make_blocks(4, SMALL)
+    blocks = make_blocks(4, MID)
     (tmp_path / "codec").mkdir()
     (tmp_path / "lmdb").mkdir()
     rows = baseline_rows(blocks, 1) + codec_rows(blocks, 1, tmp_path / "codec")
@@ -21,6 +24,6 @@ def test_rows_have_the_agreed_shape(tmp_path) -> None:
         ("aes-gcm", "encrypt"), ("aes-gcm", "decrypt"), ("codec+aes", "seal"), ("codec+aes", "open"),
         ("lmdb+aes", "put"), ("lmdb+aes", "get")]
     for r in rows:
-        assert set(r) == KEYS and r["baseline"] == "aes-gcm" and r["block_bytes"] == SMALL.bytes_per_block
+        assert set(r) == KEYS and r["baseline"] == "aes-gcm" and r["block_bytes"] == MID.bytes_per_block
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["bottleneck"] in ("aes", "tier")
-        assert abs(r["ratio"] - r["gbps"] / r["baseline_gbps"]) < 0.01
+        assert abs(r["ratio"] - r["gbps"] / r["baseline_gbps"]) <= 0.05 * r["ratio"] + 0.002  # figures are rounded to 3 decimals
