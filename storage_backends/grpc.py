@@ -45,7 +45,8 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
 from kvtier.layout import DTYPES
 from kvtier.server import kvtier_pb2 as pb
 from kvtier.server import kvtier_pb2_grpc as pb_grpc
-from kvtier.server.wire import BlockAssembler, block_chunks
+from kvtier.server.service import SERVICE_NAME
+from kvtier.server.wire import BlockAssembler, ChunkFrame, block_chunks, decode_frame, encode_frame
 from kvtier.tier import PutResult, Tier, TierUsage
 
 #: Status code -> the kvtier exception it stands for.
@@ -188,6 +189,12 @@ class GrpcTier(Tier):
         self.config = config
         self._channel = config.channel()
         self._stub = pb_grpc.KvCacheStub(self._channel)
+        # Payload-carrying calls use the frame codec (one copy of each payload byte per side).
+        self._get = self._channel.unary_stream(f"/{SERVICE_NAME}/Get",
+                                               request_serializer=pb.GetRequest.SerializeToString,
+                                               response_deserializer=decode_frame)
+        self._put = self._channel.stream_unary(f"/{SERVICE_NAME}/Put", request_serializer=encode_frame,
+                                               response_deserializer=pb.PutResponse.FromString)
         self._lock = threading.Lock()
         self._domains: DomainTable | None = None
 
@@ -271,8 +278,8 @@ class GrpcTier(Tier):
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
 
         asm = BlockAssembler(allocate)
-        stream = self._stub.Get(pb.GetRequest(keys=list(keys), mode=mode), timeout=self.config.timeout_s,
-                                metadata=self._metadata())
+        stream = self._get(pb.GetRequest(keys=list(keys), mode=mode), timeout=self.config.timeout_s,
+                           metadata=self._metadata())
         try:
             for chunk in stream:
                 done = asm.feed(chunk)
@@ -302,7 +309,7 @@ class GrpcTier(Tier):
             return res
         t0 = time.perf_counter()
         try:
-            resp = self._stub.Put(self._chunks(blocks), timeout=self.config.timeout_s, metadata=self._metadata())
+            resp = self._put(self._chunks(blocks), timeout=self.config.timeout_s, metadata=self._metadata())
         except grpc.RpcError as exc:
             err = error_from(exc)
             if not self._degrade(err):
@@ -319,7 +326,7 @@ class GrpcTier(Tier):
         self.metrics.stored(len(res.stored), sum(sizes.get(k, 0) for k in res.stored))
         return res
 
-    def _chunks(self, blocks: Sequence[Block]) -> Iterator[pb.BlockChunk]:
+    def _chunks(self, blocks: Sequence[Block]) -> Iterator[ChunkFrame]:
         for i, b in enumerate(blocks):
             # Payloads are read while streaming; Block guarantees a contiguous CPU-side view.
             src = b if b.data.device.type == "cpu" else Block(b.meta, b.data.cpu())

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from kvtier.block import Block, BlockMeta
@@ -30,7 +31,15 @@ from kvtier.server import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
-from kvtier.server.wire import BlockAssembler, block_chunks, check_domain, check_keys
+from kvtier.server.wire import (
+    BlockAssembler,
+    ChunkFrame,
+    block_chunks,
+    check_domain,
+    check_keys,
+    decode_frame,
+    encode_frame,
+)
 from kvtier.store import Lookup, TieredStore, TierRun
 from kvtier.tenancy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
 from kvtier.tier import Tier
@@ -174,7 +183,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         else:
             raise InvalidRequest(f"unknown get mode {request.mode}")
 
-    def _get_prefix(self, keys: list[BlockKey], call: Call) -> Iterator[pb.BlockChunk]:
+    def _get_prefix(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame]:
         n = self._usable(keys, self._domains(call.principal))
         lk = self.store.lookup(keys[:n])
         want = keys[: lk.length]
@@ -191,7 +200,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 if len(blocks) < len(part):
                     return  # a block vanished or failed verification: the prefix ends here
 
-    def _get_each(self, keys: list[BlockKey], call: Call) -> Iterator[pb.BlockChunk]:
+    def _get_each(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame]:
         fence = self.store.fence
         step = self.limits.get_batch_blocks
         with self.store.pins.hold(keys):
@@ -219,7 +228,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             todo = left
         return sorted(found.items())
 
-    def _send(self, call: Call, blocks: list[tuple[int, Block]]) -> Iterator[pb.BlockChunk]:
+    def _send(self, call: Call, blocks: list[tuple[int, Block]]) -> Iterator[ChunkFrame]:
         lease = call.lease
         total = sum(b.nbytes for _, b in blocks)
         lease.reserve(total)
@@ -400,3 +409,27 @@ def _slice(lk: Lookup, a: int, b: int) -> Lookup:
         if lo < hi:
             runs.append(TierRun(r.level, r.tier, lo - a, hi - lo))
     return Lookup(tuple(runs), b - a)
+
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
+
+
+def service_handler(service: KvCacheService) -> grpc.GenericRpcHandler:
+    """The service's method handlers: protobuf messages throughout, except that Get's responses
+    and Put's requests go through the frame codec (payloads copied once, not three times)."""
+    unary = grpc.unary_unary_rpc_method_handler
+    methods = {
+        "Lookup": unary(service.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(service.Get, pb.GetRequest.FromString, encode_frame),
+        "Put": grpc.stream_unary_rpc_method_handler(service.Put, decode_frame, pb.PutResponse.SerializeToString),
+        "Delete": unary(service.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString),
+        "ListScope": unary(service.ListScope, pb.ListScopeRequest.FromString,
+                           pb.ListScopeResponse.SerializeToString),
+        "Purge": unary(service.Purge, pb.PurgeRequest.FromString, pb.PurgeResponse.SerializeToString),
+        "Revoke": unary(service.Revoke, pb.RevokeRequest.FromString, pb.RevokeResponse.SerializeToString),
+        "Stats": unary(service.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
+        "Domains": unary(service.Domains, pb.DomainsRequest.FromString, pb.DomainsResponse.SerializeToString),
+    }
+    missing = set(pb.DESCRIPTOR.services_by_name["KvCache"].methods_by_name) - set(methods)
+    assert not missing, f"service_handler lacks {missing}"
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

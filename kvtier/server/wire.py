@@ -9,6 +9,7 @@ size, shape and checksum all verified. Any violation is InvalidRequest (never a 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -70,8 +71,117 @@ def payload_view(block: Block) -> memoryview:
     return block.as_bytes_view()
 
 
-def block_chunks(block: Block, chunk_bytes: int, position: int = 0) -> Iterator[pb.BlockChunk]:
-    """The messages that carry ``block``; each holds at most ``chunk_bytes`` of payload."""
+# -- the BlockChunk wire format, written and read directly -----------------------------------------
+# Payload bytes are the bulk of the traffic. Going through protobuf objects would copy every byte
+# twice more on each side (into a bytes object, into the message, out of it); these encode a
+# BlockChunk straight from a block's memory and decode one into a view of the received buffer.
+# The bytes are exactly protobuf's (fields in number order, proto3 defaults omitted), so any
+# protobuf client or server interoperates; tests/unit/test_server_wire.py checks both directions.
+_T_POSITION, _T_META, _T_OFFSET, _T_DATA, _T_LAST, _T_CHECKSUM = 0x08, 0x12, 0x18, 0x22, 0x28, 0x30
+
+
+@dataclass(slots=True)
+class ChunkFrame:
+    """One BlockChunk with its payload as a view (no copy): what Get sends and Put receives."""
+
+    position: int
+    meta: pb.BlockMeta | None
+    offset: int
+    data: memoryview | bytes
+    last: bool
+    checksum: int
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_frame(f: ChunkFrame | pb.BlockChunk) -> bytes:
+    """Serialize a frame (or a protobuf BlockChunk) with a single copy of its payload."""
+    if isinstance(f, pb.BlockChunk):
+        return f.SerializeToString()
+    head = bytearray()
+    if f.position:
+        head += bytes([_T_POSITION]) + _varint(f.position)
+    if f.meta is not None:
+        meta = f.meta.SerializeToString()
+        head += bytes([_T_META]) + _varint(len(meta)) + meta
+    if f.offset:
+        head += bytes([_T_OFFSET]) + _varint(f.offset)
+    tail = bytearray()
+    if f.last:
+        tail += bytes([_T_LAST, 1])
+    if f.checksum:
+        tail += bytes([_T_CHECKSUM]) + _varint(f.checksum)
+    if not len(f.data):
+        return bytes(head + tail)
+    head += bytes([_T_DATA]) + _varint(len(f.data))
+    return b"".join((head, f.data, tail))
+
+
+def _read_varint(mv: memoryview, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if i >= len(mv) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = mv[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return n, i
+        shift += 7
+
+
+def decode_frame(raw: bytes) -> ChunkFrame:
+    """Parse a BlockChunk; ``data`` is a view into ``raw``. Unknown fields are skipped, as protobuf
+    does; malformed bytes raise ValueError (the server turns that into INVALID_ARGUMENT)."""
+    mv = memoryview(raw)
+    f = ChunkFrame(0, None, 0, b"", False, 0)
+    i = 0
+    while i < len(mv):
+        tag, i = _read_varint(mv, i)
+        wire = tag & 7
+        if wire == 0:
+            v, i = _read_varint(mv, i)
+            if tag == _T_POSITION:
+                f.position = v & 0xFFFFFFFF
+            elif tag == _T_OFFSET:
+                f.offset = v
+            elif tag == _T_LAST:
+                f.last = bool(v)
+            elif tag == _T_CHECKSUM:
+                f.checksum = v
+        elif wire == 2:
+            n, i = _read_varint(mv, i)
+            if i + n > len(mv):
+                raise ValueError("length-delimited field runs past the message")
+            if tag == _T_META:
+                f.meta = pb.BlockMeta.FromString(mv[i : i + n].tobytes())
+            elif tag == _T_DATA:
+                f.data = mv[i : i + n]
+            i += n
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+    if i != len(mv):
+        raise ValueError("message ends inside a field")
+    return f
+
+
+def block_chunks(block: Block, chunk_bytes: int, position: int = 0) -> Iterator[ChunkFrame]:
+    """The frames that carry ``block``; each holds at most ``chunk_bytes`` of payload, as a view
+    of the block's own memory (serialize before the block is released)."""
     mv = payload_view(block)
     n = len(mv)
     checksum = xxhash.xxh3_64_intdigest(mv)
@@ -80,13 +190,21 @@ def block_chunks(block: Block, chunk_bytes: int, position: int = 0) -> Iterator[
     while True:
         end = min(off + chunk_bytes, n)
         last = end >= n
-        yield pb.BlockChunk(
-            position=position, meta=meta if off == 0 else None, offset=off, data=mv[off:end].tobytes(),
-            last=last, checksum=checksum if last else 0,
-        )
+        yield ChunkFrame(position, meta if off == 0 else None, off, mv[off:end], last, checksum if last else 0)
         if last:
             return
         off = end
+
+
+def as_message(f: ChunkFrame) -> pb.BlockChunk:
+    """The protobuf object of a frame (for clients that use the generated stubs)."""
+    return pb.BlockChunk.FromString(encode_frame(f))
+
+
+def block_messages(block: Block, chunk_bytes: int, position: int = 0) -> Iterator[pb.BlockChunk]:
+    """``block_chunks`` as protobuf BlockChunk messages, for the generated stubs."""
+    for f in block_chunks(block, chunk_bytes, position):
+        yield as_message(f)
 
 
 Allocate = Callable[[int, BlockMeta], torch.Tensor]
@@ -121,18 +239,20 @@ class BlockAssembler:
     def open_position(self) -> int:
         return self._position
 
-    def feed(self, chunk: pb.BlockChunk) -> tuple[int, Block] | None:
+    def feed(self, chunk: ChunkFrame | pb.BlockChunk) -> tuple[int, Block] | None:
         """Take one chunk; returns ``(position, block)`` when it completes a block."""
+        has_meta = chunk.meta is not None if isinstance(chunk, ChunkFrame) else chunk.HasField("meta")
         if self._meta is None:
-            if not chunk.HasField("meta"):
+            if not has_meta:
                 raise InvalidRequest("the first chunk of a block must carry its meta")
+            assert chunk.meta is not None
             meta = meta_from_msg(chunk.meta)
             dest = self._allocate(chunk.position, meta)
             if dest.dtype != DTYPES[meta.dtype][0] or tuple(dest.shape) != meta.shape or not dest.is_contiguous():
                 raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
             self._meta, self._dest, self._position, self._received = meta, dest, chunk.position, 0
             self._buf = dest.view(torch.uint8).reshape(-1).numpy()
-        elif chunk.HasField("meta"):
+        elif has_meta:
             raise InvalidRequest("meta may appear only on the first chunk of a block")
         elif chunk.position != self._position:
             raise InvalidRequest("a chunk of another block arrived before the open block was complete")

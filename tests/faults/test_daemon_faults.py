@@ -28,7 +28,7 @@ from kvtier.server import kvtier_pb2 as pb
 from kvtier.server import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.daemon import Daemon
 from kvtier.server.localdeploy import LocalDeployment
-from kvtier.server.wire import block_chunks
+from kvtier.server.wire import block_messages
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.lmdb import LmdbTier
 from tests.helpers import DERIVER, SECRET, same_bytes
@@ -112,7 +112,7 @@ def test_sigkill_mid_put_then_restart_whole_or_absent(dep: LocalDeployment) -> N
         # Three whole blocks, then half of the fourth, then nothing: the kill lands here.
         blocks = blocks_of(4, 9_000_000)
         for i, b in enumerate(blocks):
-            for c in block_chunks(b, CHUNK, i):
+            for c in block_messages(b, CHUNK, i):
                 if i == 3 and c.offset >= MID.bytes_per_block // 2:
                     hanging_started.set()
                     time.sleep(30)
@@ -240,8 +240,8 @@ def test_client_disconnect_mid_put_stores_nothing_partial(dep: LocalDeployment) 
         sent = threading.Event()
 
         def chunks() -> Iterator[pb.BlockChunk]:
-            yield from block_chunks(blocks[0], CHUNK, 0)
-            yield next(block_chunks(blocks[1], CHUNK, 1))  # the first chunk of block 1 only
+            yield from block_messages(blocks[0], CHUNK, 0)
+            yield next(block_messages(blocks[1], CHUNK, 1))  # the first chunk of block 1 only
             sent.set()
             time.sleep(30)
 
@@ -289,7 +289,7 @@ def test_malformed_and_oversized_messages_get_clear_codes(dep: LocalDeployment) 
             stub.Lookup(pb.LookupRequest(keys=[b"short"]), metadata=auth(token), timeout=5)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "56 bytes" in exc.value.details()
         b = blocks_of(1, 8_000)[0]
-        good = list(block_chunks(b, CHUNK, 0))
+        good = list(block_messages(b, CHUNK, 0))
         no_meta = pb.BlockChunk(offset=0, data=good[0].data)
         gap = pb.BlockChunk(offset=CHUNK * 2, data=good[1].data)
         bad_sum = pb.BlockChunk()
@@ -332,7 +332,7 @@ def test_malformed_and_oversized_messages_get_clear_codes(dep: LocalDeployment) 
 
 # -- overload and stalled calls ---------------------------------------------------------------------
 def _half_block_stream(block: Block, held: threading.Event, release: threading.Event) -> Iterator[pb.BlockChunk]:
-    chunks = list(block_chunks(block, CHUNK, 0))
+    chunks = list(block_messages(block, CHUNK, 0))
     yield chunks[0]
     held.set()
     release.wait(30)
@@ -395,7 +395,7 @@ def test_deadlines_bound_slow_and_stalled_calls(dep: LocalDeployment) -> None:
     try:
         token = dep.token(roles=PUBLISH)
         blocks = blocks_of(1, 14_000)
-        chunks = list(block_chunks(blocks[0], CHUNK, 0))
+        chunks = list(block_messages(blocks[0], CHUNK, 0))
 
         def trickle() -> Iterator[pb.BlockChunk]:
             for c in chunks:

@@ -33,7 +33,7 @@ from kvtier.server import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.daemon import Daemon
 from kvtier.server.localdeploy import LocalDeployment
 from kvtier.server.observability import configure_logging
-from kvtier.server.wire import block_chunks
+from kvtier.server.wire import block_messages
 from kvtier.store import TieredStore
 from kvtier.tenancy import Principal
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
@@ -350,7 +350,7 @@ def test_graceful_shutdown_drains_an_inflight_put(tmp_path: Path) -> None:
             if i == 3:
                 halfway.set()
                 assert go_on.wait(10)
-            yield from block_chunks(b, 256, i)
+            yield from block_messages(b, 256, i)
 
     ch = grpc.insecure_channel(d.address)
     result: dict[str, object] = {}
