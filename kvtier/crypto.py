@@ -538,10 +538,12 @@ class KeyRing:
     """Per-domain DEKs under one master key; a ``codec.Sealer``.
 
     Invariants (under ``_lock``): ``_writers`` holds at most one DEK per domain, created by this
-    process and persisted before use; its ``count`` only grows and never reaches
-    ``max_encryptions`` (the domain rotates first); ``_cache`` maps (domain, DEK id) to unwrapped
-    DEKs and never holds a key of a destroyed domain. AES-GCM work runs outside the lock (the
-    cryptography library releases the GIL), so threads encrypt in parallel.
+    process and persisted before use; its ``count`` only grows, and a writer whose count reached
+    ``max_encryptions`` is replaced before the next encryption; ``_cache`` maps (domain, DEK id)
+    to unwrapped DEKs and never keeps a key of a destroyed domain (``_epochs`` turns away unwraps
+    that raced a destroy). Creating a DEK (wrap, persist: maybe a KMS and the bucket) holds only
+    that domain's creator lock, and AES-GCM runs outside every lock (the cryptography library
+    releases the GIL), so other domains and threads keep encrypting meanwhile.
     """
 
     def __init__(
@@ -562,6 +564,10 @@ class KeyRing:
         self._lock = threading.Lock()
         self._writers: dict[ScopeDomain, _Writer] = {}
         self._cache: OrderedDict[tuple[bytes, bytes], AESGCM] = OrderedDict()
+        # One creator at a time per domain; DEK creation (wrap, persist) runs outside ``_lock``.
+        self._creators: dict[ScopeDomain, threading.Lock] = {}
+        # Bumped by destroy(): an unwrap that started before it must not cache a shredded key.
+        self._epochs: Counter[ScopeDomain] = Counter()
         self.counters: Counter[str] = Counter()
         self._check_master_keys()
         _RINGS.add(self)
@@ -630,12 +636,17 @@ class KeyRing:
         Returns how many wrapped keys the store removed. Records still encrypted under them (a
         copy a purge missed, a backup) can no longer be opened by anyone.
         """
+        # The store first (it may be remote: no lock held meanwhile), then the in-memory copies;
+        # the epoch makes a concurrent unwrap of this domain drop its result instead of caching it.
         with self._lock:
+            self._epochs[domain] += 1
+        n = self.store.delete_domain(domain)
+        with self._lock:
+            self._epochs[domain] += 1
             self._writers.pop(domain, None)
             for k in [k for k in self._cache if k[0] == domain]:
                 del self._cache[k]
-            n = self.store.delete_domain(domain)
-        self._count("deks_destroyed", n)
+            self.counters["deks_destroyed"] += n
         return n
 
     def rewrap(self) -> int:
@@ -677,23 +688,37 @@ class KeyRing:
 
     def _forget_writers(self) -> None:
         self._writers = {}
-        self._lock = threading.Lock()  # a lock held by another thread at fork time would never be released
+        # Locks held by other threads at fork time would never be released in the child.
+        self._lock = threading.Lock()
+        self._creators = {}
 
     def _next_nonce_counter(self, domain: ScopeDomain) -> tuple[bytes, AESGCM, int]:
-        with self._lock:
-            w = self._writers.get(domain)
-            if w is None or w.count >= self.options.max_encryptions:
-                if w is not None:
-                    self.counters["rotations"] += 1
-                # Persisting under the lock serialises DEK creation; it happens once per domain per
-                # process (and per rotation), and must finish before any ciphertext uses the key.
-                w = self._writers[domain] = self._create(domain)
-            counter = w.count
-            w.count += 1
-            self.counters["encryptions"] += 1
-            return w.dek_id, w.aead, counter
+        while True:
+            with self._lock:
+                w = self._writers.get(domain)
+                if w is not None and w.count < self.options.max_encryptions:
+                    counter = w.count
+                    w.count += 1
+                    self.counters["encryptions"] += 1
+                    return w.dek_id, w.aead, counter
+                creator = self._creators.setdefault(domain, threading.Lock())
+            # Creating a DEK wraps it (maybe through a KMS) and persists it (maybe to the bucket
+            # mirror): done under the domain's creator lock only, so other domains keep encrypting.
+            with creator:
+                with self._lock:
+                    w = self._writers.get(domain)
+                    if w is not None and w.count < self.options.max_encryptions:
+                        continue  # another thread created it meanwhile
+                    rotating = w is not None
+                new = self._create(domain)
+                with self._lock:
+                    self._writers[domain] = new
+                    self._remember(domain, new.dek_id, new.aead)
+                    self.counters["deks_created"] += 1
+                    self.counters["rotations"] += rotating
 
     def _create(self, domain: ScopeDomain) -> _Writer:
+        """A fresh DEK for ``domain``, durable in the store before anything is encrypted with it."""
         dek = AESGCM.generate_key(bit_length=256)
         known = {k.dek_id for k in self.store.wrapped_for(domain)}
         dek_id = os.urandom(DEK_ID_BYTES)
@@ -701,10 +726,7 @@ class KeyRing:
             dek_id = os.urandom(DEK_ID_BYTES)
         wrapped = self.provider.wrap(dek, _wrap_context(domain, dek_id))
         self.store.put_wrapped(WrappedKey(domain, dek_id, self.provider.kek_id, wrapped, time.time()))
-        aead = AESGCM(dek)
-        self._remember(domain, dek_id, aead)
-        self.counters["deks_created"] += 1
-        return _Writer(dek_id, aead, 0)
+        return _Writer(dek_id, AESGCM(dek), 0)
 
     def _remember(self, domain: ScopeDomain, dek_id: bytes, aead: AESGCM) -> None:
         self._cache[(domain, dek_id)] = aead
@@ -718,6 +740,7 @@ class KeyRing:
             if aead is not None:
                 self._cache.move_to_end((domain, dek_id))
                 return aead
+            epoch = self._epochs[domain]
         found = [k for k in self.store.wrapped_for(domain) if k.dek_id == dek_id]
         if not found:
             self._count("unknown_keys")
@@ -728,6 +751,8 @@ class KeyRing:
             raise KeyUnavailable(f"data key is wrapped by master key {wk.kek_id}, which this node was not given")
         aead = AESGCM(provider.unwrap(wk.wrapped, _wrap_context(domain, dek_id)))
         with self._lock:
+            if self._epochs[domain] != epoch:
+                raise CorruptRecord("record's data key was destroyed while it was being read (scope purged)")
             self._remember(domain, dek_id, aead)
         return aead
 

@@ -465,3 +465,60 @@ def test_codec_in_place_and_allocating_seal_paths_agree(key_store) -> None:
         assert same_bytes(codec.decode(rec, expect_key=blk.key, sealer=ring), blk)
         assert same_bytes(codec.decode(rec, expect_key=blk.key, sealer=SealOnly(ring)), blk)
     assert codec.parse_header(in_place).envelope["n"] != codec.parse_header(allocating).envelope["n"]
+
+
+class GatedStore(FileWrappedKeyStore):
+    """A real file store whose writes for one domain wait on an event (a slow KMS or mirror)."""
+
+    def __init__(self, path, gated: ScopeDomain) -> None:
+        super().__init__(path)
+        self.gated = gated
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def put_wrapped(self, key: WrappedKey) -> None:
+        if key.domain == self.gated:
+            self.entered.set()
+            assert self.release.wait(30)
+        super().put_wrapped(key)
+
+
+def test_slow_key_creation_does_not_block_other_domains(tmp_path) -> None:
+    store = GatedStore(tmp_path / "k", DOM_A)
+    ring = KeyRing(provider(), store)
+    t = threading.Thread(target=ring.seal, args=(DOM_A, b"", memoryview(b"a" * 16)))
+    t.start()
+    try:
+        assert store.entered.wait(30)
+        env, _ = ring.seal(DOM_B, b"", memoryview(b"b" * 16))  # would deadlock if creation held the ring lock
+        assert env["k"]
+    finally:
+        store.release.set()
+        t.join(30)
+    assert ring.snapshot()["deks_created"] == 2
+
+
+class ShreddingStore(FileWrappedKeyStore):
+    """Destroys the domain right after a reader fetched its wrapped key: the purge races a read."""
+
+    ring: KeyRing
+
+    def wrapped_for(self, domain: ScopeDomain) -> list[WrappedKey]:
+        found = super().wrapped_for(domain)
+        if found and getattr(self, "armed", False):
+            self.armed = False
+            self.ring.destroy(domain)
+        return found
+
+
+def test_a_read_racing_a_destroy_never_caches_the_shredded_key(tmp_path) -> None:
+    writer = KeyRing(provider(), FileWrappedKeyStore(tmp_path / "k"))
+    _, rec = seal_block(writer)
+    store = ShreddingStore(tmp_path / "k")
+    reader = KeyRing(provider(), store)
+    store.ring, store.armed = reader, True
+    with pytest.raises(CorruptRecord, match="destroyed while"):
+        codec.decode(rec, sealer=reader)
+    with pytest.raises(CorruptRecord, match="does not exist"):
+        codec.decode(rec, sealer=reader)
+    assert reader.snapshot()["cached_keys"] == 0
