@@ -17,6 +17,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,78 +250,53 @@ class CallGate(grpc.ServerInterceptor):
     def _unary(self, method: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def behavior(request: Any, context: grpc.ServicerContext) -> Any:
             call = self._begin(method, context)
-            try:
+            with self._guarded(call):
                 return inner(_parsed(request), call)
-            except KvtierError as exc:
-                self._fail(call, exc)
-            except grpc.RpcError:
-                # The client went away while we read its stream: not a crash, nothing to answer.
-                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
-                raise
-            except Exception:
-                self._crashed(call)
-                raise
-            finally:
-                self._end(call)
 
         return behavior
 
     def _server_stream(self, method: str, inner: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
         def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             call = self._begin(method, context)
-            try:
+            with self._guarded(call):
                 yield from inner(_parsed(request), call)
-            except KvtierError as exc:
-                self._fail(call, exc)
-            except grpc.RpcError:
-                # The client went away while we read its stream: not a crash, nothing to answer.
-                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
-                raise
-            except Exception:
-                self._crashed(call)
-                raise
-            finally:
-                self._end(call)
 
         return behavior
 
     def _client_stream(self, method: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             call = self._begin(method, context)
-            try:
+            with self._guarded(call):
                 return inner(self._requests(requests, call), call)
-            except KvtierError as exc:
-                self._fail(call, exc)
-            except grpc.RpcError:
-                # The client went away while we read its stream: not a crash, nothing to answer.
-                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
-                raise
-            except Exception:
-                self._crashed(call)
-                raise
-            finally:
-                self._end(call)
 
         return behavior
 
     def _bidi(self, method: str, inner: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             call = self._begin(method, context)
-            try:
+            with self._guarded(call):
                 yield from inner(self._requests(requests, call), call)
-            except KvtierError as exc:
-                self._fail(call, exc)
-            except grpc.RpcError:
-                # The client went away while we read its stream: not a crash, nothing to answer.
-                self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
-                raise
-            except Exception:
-                self._crashed(call)
-                raise
-            finally:
-                self._end(call)
 
         return behavior
+
+    @contextmanager
+    def _guarded(self, call: Call) -> Iterator[None]:
+        """How every admitted call ends: kvtier errors become their status code, a vanished client
+        is counted as cancelled, anything else is a bug (logged, UNKNOWN); the call's lease and
+        concurrency slot are returned in every case (a closed stream raises GeneratorExit here)."""
+        try:
+            yield
+        except KvtierError as exc:
+            self._fail(call, exc)
+        except grpc.RpcError:
+            # The client went away while we read its stream: not a crash, nothing to answer.
+            self.metrics.call_failed(call.method, grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception:
+            self._crashed(call)
+            raise
+        finally:
+            self._end(call)
 
     @staticmethod
     def _requests(requests: Iterator[Any], call: Call) -> Iterator[Any]:

@@ -12,7 +12,6 @@ import json
 import logging
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -224,7 +223,3 @@ def configure_logging(level: str, stream: Any = None) -> logging.Handler:
     root.setLevel(level.upper())
     root.propagate = False
     return handler
-
-
-def uptime_since(t0: float) -> float:
-    return time.monotonic() - t0

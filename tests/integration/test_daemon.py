@@ -36,6 +36,7 @@ from kvtier.server.observability import configure_logging
 from kvtier.server.wire import block_messages
 from kvtier.store import TieredStore
 from kvtier.tenancy import Principal
+from storage_backends.gpu import GpuTier
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.memory import MemoryTier
 from tests.helpers import SECRET, SMALL, chain_blocks, same_bytes
@@ -311,28 +312,30 @@ def test_reflection_by_option_still_needs_a_token(tmp_path: Path) -> None:
 
 
 # -- an engine's tier chain ---------------------------------------------------------------------------
-def test_engine_chain_local_cpu_then_daemon(client, daemon: Daemon) -> None:
-    """[local CPU] -> [daemon]: local evictions spill into the daemon and come back verified."""
+def test_engine_chain_gpu_then_local_cpu_then_daemon(client, daemon: Daemon) -> None:
+    """[GPU] -> [local CPU] -> [daemon] (the GPU tier runs on the CPU device without CUDA): what
+    the fast tiers cannot hold lands in the daemon, and everything comes back verified."""
     remote = client("acme", "alice", roles=PUBLISH)
+    gpu = GpuTier(n_slots=2, slot_bytes=SMALL.bytes_per_block)
     local = MemoryTier(4 * SMALL.bytes_per_block)
-    store = TieredStore([local, remote])
+    store = TieredStore([gpu, local, remote])
     blocks = user_chain(remote, 12, public_prefix=3)
     keys = [b.key for b in blocks]
     store.put(blocks)
-    # The local tier keeps what fits (one put never evicts its own batch); the rest falls
-    # through to the daemon.
-    assert local.usage().blocks == 4 and local.contains(keys) == 4
-    assert remote.contains(keys) == 0 and remote.contains(keys[4:]) == 8
+    # Each tier keeps what fits (one put never evicts its own batch); the rest falls through.
+    assert gpu.contains(keys) == 2 and local.contains(keys[2:]) == 4
+    assert remote.contains(keys) == 0 and remote.contains(keys[6:]) == 6
     lk = store.lookup(keys)
-    assert lk.length == 12 and lk.blocks_in(remote.name) == 8
+    assert lk.length == 12 and [lk.blocks_in(t.name) for t in (gpu, local, remote)] == [2, 4, 6]
     got = store.get(keys)
     assert len(got) == 12 and all(same_bytes(g, b) for g, b in zip(got, blocks, strict=True))
     # A second engine process on the node (a fresh client) shares what reached the daemon.
     other = client("acme", "alice")
-    assert other.contains(keys[4:]) == 8
-    remote.put(blocks[:4])  # the first engine also saves its hot blocks to the shared daemon
+    assert other.contains(keys[6:]) == 6
+    remote.put(blocks[:6])  # the first engine also saves its hot blocks to the shared daemon
     assert other.contains(keys) == 12
     assert all(same_bytes(g, b) for g, b in zip(other.get_prefix(keys), blocks, strict=True))
+    gpu.close()
 
 
 # -- shutdown ---------------------------------------------------------------------------------------
