@@ -159,7 +159,8 @@ class LmdbTier(Tier):
             records = [
                 (b, buf, codec.encode_into(b, buf, self.sealer)) for b, buf in zip(todo, self._scratch, strict=False)
             ]
-            batch = {b.key for b in todo}
+            # A batch never evicts its own members, nor the parents they are about to hang from.
+            batch = {b.key for b in todo} | {b.meta.parent for b in todo if b.meta.parent is not None}
             added: list[tuple[Block, int]] = []
             victims: list[BlockKey] = []
             planned = self._used

@@ -88,7 +88,8 @@ class MemoryTier(Tier):
         t0 = time.perf_counter()
         res = PutResult()
         stored_bytes = 0
-        batch = {b.key for b in blocks}
+        # A batch never evicts its own members, nor the parents they are about to hang from.
+        batch = {b.key for b in blocks} | {b.meta.parent for b in blocks if b.meta.parent is not None}
         with self._lock:
             for b in blocks:
                 if b.key in self._blocks:
