@@ -135,6 +135,8 @@ class Backend:
         return cls(store, policy, cache, local, keyring, audit, closers)
 
     def purge(self, actor: Principal, scope: str, reason: str) -> PurgeOutcome:
+        """KVCache.purge: policy check, journal, write fence, data keys destroyed, every tier
+        cleared, audited. (``reason`` goes to the daemon's log; the audit records actor and scope.)"""
         report = self.cache.purge(actor, scope)
         return PurgeOutcome(bytes.fromhex(report.domain), dict(report.removed), report.keys_destroyed)
 

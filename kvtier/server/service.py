@@ -9,13 +9,18 @@ bytes; the caller's usable domains come from its verified principal (``Policy.re
 - Put refuses (PERMISSION_DENIED) a block in a domain the caller cannot read; a block in a shared
   scope (public/org) the caller may read but not publish is not stored and is listed as rejected,
   as KVCache.save does.
+- Stats shows per-tier totals to everyone (no tenant can be told apart in them) and per-domain
+  usage for the caller's own domains only (operators: all, as opaque ids).
 Put commits whole, verified blocks in batches as they arrive: a stream that fails part-way may
 leave earlier blocks stored (each whole), never a partial block.
+Not applied here: KVCache's optional timing mitigations (minimum public prefix, missed-lookup
+rate limit); a per-key Get would need its own rule for them.
 """
 
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -82,14 +87,15 @@ class ServiceParts:
     limits: ServiceLimits
 
 
-class RevokeRule:
-    """Who may revoke what: one small strategy per target kind (registry ``REVOKE_RULES``)."""
+class RevokeRule(ABC):
+    """Who may revoke what: one small strategy per target kind (registry ``REVOKE_RULES``).
+    By default only operators may; the policy records every change in its audit log."""
 
     def allowed(self, actor: Principal, target: str) -> bool:
         return ROLE_OPERATOR in actor.roles
 
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: str, reason: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def apply(self, policy: Policy, target: str, *, lift: bool, actor: str, reason: str) -> None: ...
 
 
 class RevokePrincipal(RevokeRule):
@@ -343,7 +349,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         if not request.scope:
             raise InvalidRequest("purge needs a scope: public, org, user, session or a full scope name")
         res = self.parts.purge(call.principal, request.scope, request.reason)
-        log.info("purge", extra={"event": "purge", "principal": call.principal.id, "removed": res.removed,
+        kind = request.scope.split(":", 1)[0]  # the kind only: a full scope names a tenant and user
+        log.info("purge", extra={"event": "purge", "principal": call.principal.id, "scope_kind": kind,
+                                 "reason": request.reason, "removed": res.removed,
                                  "keys_destroyed": res.keys_destroyed})
         return pb.PurgeResponse(removed=res.removed, data_keys_destroyed=res.keys_destroyed, domain=res.domain)
 
