@@ -194,7 +194,8 @@ class SecurityConfig:
     )
     master_key_file: str | None = _f(
         None,
-        "Master key (KEK) file, mode 0600: 32 raw bytes, 64 hex digits or base64.",
+        "Master key (KEK) file, mode 0600 (0640/0440 for Kubernetes fsGroup mounts): 32 raw bytes, 64 hex "
+        "digits or base64.",
         kind="path",
     )
     master_key: str | None = _f(

@@ -136,8 +136,8 @@ class Backend:
 
     def purge(self, actor: Principal, scope: str, reason: str) -> PurgeOutcome:
         """KVCache.purge: policy check, journal, write fence, data keys destroyed, every tier
-        cleared, audited. (``reason`` goes to the daemon's log; the audit records actor and scope.)"""
-        report = self.cache.purge(actor, scope)
+        cleared, audited with the actor, the scope and ``reason``."""
+        report = self.cache.purge(actor, scope, reason=reason)
         return PurgeOutcome(bytes.fromhex(report.domain), dict(report.removed), report.keys_destroyed)
 
     def close(self) -> None:
@@ -149,7 +149,9 @@ class Backend:
 def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callable[[], object]]) -> KeyRing:
     sec = config.security
     if sec.master_key_file is not None:
-        provider = FileKeyProvider(sec.master_key_file)
+        # Group read is accepted (a Kubernetes Secret mounted for the pod's fsGroup is 0440), as
+        # for the token key and server secret; other-readable or writable key files are refused.
+        provider = FileKeyProvider(sec.master_key_file, allow_group_read=True)
     else:
         assert sec.master_key is not None
         provider = key_provider(sec.master_key)

@@ -192,6 +192,10 @@ def test_purge_removes_every_copy_and_the_data_key(client, daemon: Daemon) -> No
         bob.purge("user:acme/alice")
     left = daemon.backend.cache.remaining(Principal(tenant="acme", user="alice"), "user")
     assert left == {"memory": 0, "lmdb": 0, "data_keys": 0}
+    audit = daemon.backend.audit
+    assert audit is not None
+    starts = [e for e in audit.events("purge.start") if e.actor == "acme/alice"]
+    assert starts and starts[0].detail["reason"] == "gdpr" and starts[0].detail["domain"] == dom.hex()
 
 
 def test_stats_show_only_own_domains(client) -> None:
