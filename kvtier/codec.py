@@ -2,14 +2,17 @@
 
 Wire layout (little-endian)::
 
-    magic "KVTR" | u8 version | u8 flags | u32 header_len | u64 xxh3(everything after the prefix)
+    magic "KVTR" | u8 version | u8 flags | u32 header_len | u64 xxh3 checksum
     header (msgpack map, header_len bytes) | zero padding to a 64-byte boundary | payload
+
+The checksum covers everything after the prefix; for a sealed record it stops at the payload,
+which the AES-GCM tag authenticates instead (hashing ciphertext twice buys nothing).
 
 The header holds the block identity (key, scope domain, layout fingerprint, parent, index,
 dtype, shape), the payload length, the encryption envelope (key id + nonce) when sealed, and
 the creation time. Readers verify magic, version, lengths, checksum and identity before use;
-when sealed, the AES-GCM tag additionally authenticates the payload under an AAD made of the
-identity fields, so a record copied under another key, tenant or layout fails to open.
+when sealed, the AES-GCM tag authenticates the payload under an AAD made of the identity
+fields, so a record copied under another key, tenant or layout fails to open.
 """
 
 from __future__ import annotations
@@ -80,6 +83,20 @@ def _aad(meta: BlockMeta) -> bytes:
     )
 
 
+def _checked_end(flags: int, payload_offset: int, total: int) -> int:
+    """Where the checksum stops: a sealed payload is already authenticated by its GCM tag (which
+    also binds the identity fields through the AAD), so hashing it again would only cost time."""
+    return payload_offset if flags & FLAG_SEALED else total
+
+
+def compute_checksum(buf: memoryview | bytes | bytearray) -> int:
+    """The checksum a whole record should carry (for tools that rewrite headers, and tests)."""
+    mv = memoryview(buf)
+    flags, hlen = _PREFIX.unpack_from(mv, 0)[2:4]
+    payload_offset = PREFIX_BYTES + hlen + _pad(PREFIX_BYTES + hlen)
+    return xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES : _checked_end(flags, payload_offset, len(mv))])
+
+
 def _pad(n: int) -> int:
     return (-n) % ALIGN
 
@@ -141,8 +158,7 @@ def encode_into(block: Block, buf: bytearray, sealer: Sealer | None = None) -> i
         sealer.seal_into(meta.domain, envelope, _aad(meta), plain, mv[start + pad : total])
     else:
         mv[start + pad : total] = body
-    # The checksum covers everything after the prefix (header, padding, payload).
-    digest = xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES:total])
+    digest = xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES : _checked_end(flags, start + pad, total)])
     _PREFIX.pack_into(buf, 0, MAGIC, FORMAT_VERSION, flags, len(header), digest)
     return total
 
@@ -224,7 +240,9 @@ def decode(
         raise CorruptRecord("record key differs from the key it was stored under")
     if expect_layout is not None and meta.layout_fp != expect_layout:
         raise LayoutMismatch("record belongs to another KV layout")
-    if xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES:]) != _PREFIX.unpack_from(mv, 0)[4]:
+    flags = _PREFIX.unpack_from(mv, 0)[2]
+    end = _checked_end(flags, hdr.payload_offset, len(mv))
+    if xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES:end]) != _PREFIX.unpack_from(mv, 0)[4]:
         raise CorruptRecord("record checksum mismatch")
     body = mv[hdr.payload_offset :]
     torch_dtype = DTYPES[meta.dtype][0]

@@ -83,6 +83,9 @@ class LmdbTier(Tier):
             for k, v in txn.cursor():
                 try:
                     hdr = codec.peek_meta(v)
+                    if hdr.meta.key != k:
+                        # A record copied under another name is indexed by neither name.
+                        raise CorruptRecord("record header names another key")
                 except CorruptRecord:
                     bad.append(bytes(k))
                     continue

@@ -16,7 +16,6 @@ from typing import Any
 import lmdb
 import msgpack
 import torch
-import xxhash
 
 from kvtier import codec
 from kvtier.audit import AuditLog
@@ -181,7 +180,8 @@ def rehead(raw: bytes, **fields: Any) -> bytes:
     out = bytearray(p + len(new) + pad + len(body))
     out[p : p + len(new)] = new
     out[p + len(new) + pad :] = body
-    codec._PREFIX.pack_into(out, 0, codec.MAGIC, version, flags, len(new), xxhash.xxh3_64_intdigest(out[p:]))
+    codec._PREFIX.pack_into(out, 0, codec.MAGIC, version, flags, len(new), 0)
+    codec._PREFIX.pack_into(out, 0, codec.MAGIC, version, flags, len(new), codec.compute_checksum(out))
     return bytes(out)
 
 

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 import torch
-import xxhash
 
 from kvtier import codec
 from kvtier.crypto import (
@@ -62,7 +61,7 @@ def reopen(store, tmp_path):
 
 def reseal_checksum(rec: bytearray) -> None:
     """Recompute a record's (unkeyed) checksum, as an attacker would: only the GCM tag is left to object."""
-    struct.pack_into("<Q", rec, codec.PREFIX_BYTES - 8, xxhash.xxh3_64_intdigest(memoryview(rec)[codec.PREFIX_BYTES :]))
+    struct.pack_into("<Q", rec, codec.PREFIX_BYTES - 8, codec.compute_checksum(rec))
 
 
 def seal_block(ring: KeyRing, seed: int = 0, scope: Scope | None = None):

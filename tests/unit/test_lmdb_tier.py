@@ -52,3 +52,16 @@ def test_header_corruption_found_on_open_is_removed_and_counted(tmp_path):
     assert t.metrics.snapshot()["errors"] == {"corrupt": 1}
     assert t.record_count() == 1 and t.contains([blocks[1].key]) == 1
     t.close()
+
+
+def test_record_copied_under_another_key_is_dropped_on_open(tmp_path):
+    a, b = chain_blocks(2)
+    t = LmdbTier(tmp_path, 1 << 20)
+    t.put([a])
+    with t.env.begin(write=True, db=t._rec) as txn:
+        txn.put(b.key, txn.get(a.key))  # a's record under b's name
+    t.close()
+    t = LmdbTier(tmp_path, 1 << 20)
+    assert t.contains([b.key]) == 0 and t.contains([a.key]) == 1
+    assert t.metrics.snapshot()["errors"] == {"corrupt": 1} and t.record_count() == 1
+    t.close()
