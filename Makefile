@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.kvtier-installed
 # torch is pinned to the CPU build that lies on this machine's disk; a plain `torch` pulls GBs of CUDA wheels.
 TORCH   ?= torch==2.13.0
 
-.PHONY: run test venv lint bench clean
+.PHONY: run test venv lint bench clean engine-venvs
 
 venv: $(STAMP)
 
@@ -20,8 +20,21 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VPY) -m kvtier.mainjob
 
-test: $(STAMP)
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+# vLLM and SGLang interfaces for tests/engines, each in its own venv: CPU torch + the pinned engine
+# wheel and the few packages its connector modules import, all --no-deps (the full dependency sets
+# pull CUDA builds). tests/engines/test_engine_suites.py runs the suites inside them.
+ENGINE_VENVS := .venv-vllm/.stamp .venv-sglang/.stamp
+
+.venv-%/.stamp: tests/engines/%-requirements.txt
+	test -x .venv-$*/bin/python || $(PY) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q $(TORCH)
+	.venv-$*/bin/python -m pip install -q --no-deps -r tests/engines/$*-requirements.txt
+	touch $@
+
+engine-venvs: $(ENGINE_VENVS)
+
+test: $(STAMP) $(ENGINE_VENVS)
+	KVTIER_REQUIRE_ENGINES=1 $(VPY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -30,4 +43,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvtier bench tiers --json out/bench_tiers.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache out
+	rm -rf $(VENV) .venv-vllm .venv-sglang .pytest_cache .ruff_cache out

@@ -1,0 +1,363 @@
+"""The kvtier vLLM connector against the real vLLM package (pinned in tests/engines/vllm-requirements.txt).
+
+Runs inside .venv-vllm (see tests/engines/test_engine_suites.py). vLLM's own factory resolves the
+connector from a KVTransferConfig; both roles are driven in vLLM's call order (scheduler:
+get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta; worker:
+bind_connector_metadata -> start_load_kv -> per layer wait_for_layer_load / save_kv_layer ->
+wait_for_save -> get_finished / get_block_ids_with_load_errors -> clear_connector_metadata;
+scheduler: request_finished) on CPU tensors laid out by vLLM's own ``create_kv_cache_views``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import Request
+
+from connectors.identity import mint_salt
+from connectors.provision import forget_shared_caches
+from connectors.vllm_connector import KvtierConnector
+from kvtier.cache import RequestSegment
+from kvtier.errors import LayoutMismatch
+from kvtier.keys import ScopeKind
+from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Principal
+
+BLOCK = 16
+HEADS = 2
+HEAD = 8
+LAYERS = 3
+NUM_BLOCKS = 48
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+SALT_KEY = b"salt-key-for-the-vllm-suite-0123456789abcdef"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches() -> Iterator[None]:
+    forget_shared_caches()
+    yield
+    forget_shared_caches()
+
+
+@pytest.fixture
+def salt_key_file(tmp_path: Path) -> str:
+    p = tmp_path / "salt.key"
+    p.write_bytes(SALT_KEY.hex().encode())
+    return str(p)
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])
+
+
+def vllm_config(salt_key_file: str, **extra: Any) -> VllmConfig:
+    cfg = {"kvtier.cache": "factory", "kvtier.factory": "tests.engines.cache_factory:memory_cache",
+           "kvtier.salt_mapper": "hmac", "kvtier.salt_key_file": salt_key_file, "kvtier.model_id": "suite-model"}
+    cfg.update({f"kvtier.{k}": v for k, v in extra.items()})
+    kt = KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="connectors.vllm_connector",
+                          kv_role="kv_both", kv_connector_extra_config=cfg)
+    config = VllmConfig(kv_transfer_config=kt, cache_config=CacheConfig(block_size=BLOCK))
+    # The connector supports one full-attention KV group, as vLLM requires of non-HMA connectors.
+    config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    return config
+
+
+def paged_kv(layout: KVCacheLayout = KVCacheLayout.BLHNC) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer [B, H, N, C] views over one raw buffer; BLHNC interleaves layers per block,
+    so every view is strided (as on a real GPU with that layout)."""
+    cfg = kv_cache_config()
+    spec = cfg.kv_cache_groups[0].kv_cache_spec
+    strides = compute_layout_strides(spec, NUM_BLOCKS, LAYERS, layout)
+    size = NUM_BLOCKS * LAYERS * spec.page_size_bytes
+    raw = torch.zeros(size, dtype=torch.int8)
+    tensor = KVCacheTensor(size=size, layers=LAYER_NAMES, layer_stride=strides[0], block_stride=strides[1])
+    views = create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, tensor)
+    return dict(zip(LAYER_NAMES, views, strict=True))
+
+
+@dataclass
+class Engine:
+    """Both connector roles as vLLM creates them, plus the worker's paged KV."""
+
+    scheduler: KvtierConnector
+    worker: KvtierConnector
+    kv: dict[str, torch.Tensor]
+
+
+def make_engine(config: VllmConfig, layout: KVCacheLayout = KVCacheLayout.BLHNC) -> Engine:
+    kcc = kv_cache_config()
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+    assert isinstance(sched, KvtierConnector) and isinstance(worker, KvtierConnector)
+    kv = paged_kv(layout)
+    worker.register_kv_caches(kv)
+    return Engine(sched, worker, kv)
+
+
+def request(req_id: str, tokens: list[int], salt: str | None) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, cache_salt=salt)
+
+
+def blocks_of(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+@dataclass
+class StepResult:
+    matched: int
+    load_async: bool
+    invalid: set[int]
+    finished_recving: set[str] | None
+
+
+def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: int | None = None) -> StepResult:
+    """One scheduling step that admits ``req`` and prefills it, in vLLM's call order."""
+    matched, is_async = eng.scheduler.get_num_new_matched_tokens(req, 0)
+    assert matched is not None
+    eng.scheduler.update_state_after_alloc(req, blocks_of(block_ids), matched)
+    computed = 0 if is_async else matched
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                             mm_features=[], sampling_params=req.sampling_params,
+                                             pooling_params=None, block_ids=(block_ids,),
+                                             num_computed_tokens=computed, lora_request=None)]
+    todo = 0 if is_async else req.num_tokens - computed
+    out.num_scheduled_tokens = {req.request_id: todo}
+    out.total_num_scheduled_tokens = todo
+    out.has_sync_kv_loads = matched > 0 and not is_async
+    out.kv_connector_metadata = eng.scheduler.build_connector_meta(out)
+    if fill_seed is not None:
+        # "The model" writes KV for the tokens it computes this step (blocks after the loaded ones).
+        gen = torch.Generator().manual_seed(fill_seed)
+        first = computed // BLOCK
+        ids = torch.tensor(block_ids[first:])
+        for t in eng.kv.values():
+            t[ids] = torch.randn((len(ids), *t.shape[1:]), generator=gen).to(t.dtype)
+    w = eng.worker
+    w.bind_connector_metadata(out.kv_connector_metadata)
+    w.start_load_kv(None)
+    for name in LAYER_NAMES:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, eng.kv[name], None)
+    w.wait_for_save()
+    invalid = w.get_block_ids_with_load_errors()
+    _, recving = w.get_finished(set())
+    w.clear_connector_metadata()
+    return StepResult(matched, is_async, invalid, recving)
+
+
+def prompt(n: int, base: int = 0) -> list[int]:
+    return [(base + 7 * i) % 30000 for i in range(n)]
+
+
+def pages(eng: Engine, ids: list[int]) -> list[torch.Tensor]:
+    idx = torch.tensor(ids)
+    return [eng.kv[n][idx].clone() for n in LAYER_NAMES]
+
+
+def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+
+
+# -- the tests --------------------------------------------------------------------------------------
+def test_factory_resolves_the_connector_for_both_roles(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file))
+    assert eng.scheduler.layout == eng.worker.layout
+    assert eng.worker.layout.block_shape == (LAYERS, HEADS, BLOCK, 2 * HEAD)
+
+
+def test_saved_pages_come_back_byte_identical_into_other_block_ids(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(100)  # 6 full blocks + 4 tokens
+    first = run_prefill(eng, request("r1", tokens, salt), list(range(0, 7)), fill_seed=1)
+    assert first.matched == 0
+    saved = pages(eng, list(range(6)))
+
+    second_ids = list(range(20, 27))
+    res = run_prefill(eng, request("r2", tokens, salt), second_ids)
+    assert res.matched == 6 * BLOCK and not res.load_async
+    assert res.invalid == set()
+    assert same_bytes(pages(eng, second_ids[:6]), saved)
+    assert eng.worker.stats["saved_blocks"] == 6
+    assert eng.scheduler.request_finished(request("r2", tokens, salt), second_ids) == (False, None)
+
+
+def test_every_kv_cache_layout_round_trips(salt_key_file: str) -> None:
+    for i, layout in enumerate(KVCacheLayout):
+        forget_shared_caches()
+        eng = make_engine(vllm_config(salt_key_file), layout)
+        salt = mint_salt(SALT_KEY, "acme", f"user{i}")
+        tokens = prompt(3 * BLOCK + 1, base=i)
+        run_prefill(eng, request("a", tokens, salt), [5, 9, 2, 11], fill_seed=i)
+        saved = pages(eng, [5, 9, 2])
+        res = run_prefill(eng, request("b", tokens, salt), [30, 31, 40, 41])
+        assert res.matched == 3 * BLOCK, layout
+        assert same_bytes(pages(eng, [30, 31, 40]), saved), layout
+
+
+def test_another_tenant_and_forged_or_missing_salts_get_nothing(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file))
+    tokens = prompt(80)
+    run_prefill(eng, request("r1", tokens, mint_salt(SALT_KEY, "acme", "alice")), list(range(6)), fill_seed=2)
+    other = eng.scheduler.get_num_new_matched_tokens(request("r2", tokens, mint_salt(SALT_KEY, "globex", "bob")), 0)
+    assert other == (0, False)
+    forged = "kvs1:acme/alice:" + "0" * 64  # names alice, but the MAC is not the deployment's
+    assert eng.scheduler.get_num_new_matched_tokens(request("r3", tokens, forged), 0) == (0, False)
+    wrong_key = mint_salt(b"another-deployment-salt-key-0123456789ab", "acme", "alice")
+    assert eng.scheduler.get_num_new_matched_tokens(request("r4", tokens, wrong_key), 0) == (0, False)
+    assert eng.scheduler.get_num_new_matched_tokens(request("r5", tokens, "not a salt"), 0) == (0, False)
+    assert eng.scheduler.get_num_new_matched_tokens(request("r6", tokens, None), 0) == (0, False)
+    assert eng.scheduler.stats["salt_rejected"] == 3
+    # The rightful owner still hits.
+    assert eng.scheduler.get_num_new_matched_tokens(request("r7", tokens, mint_salt(SALT_KEY, "acme", "alice")),
+                                                    0) == (4 * BLOCK, False)
+
+
+def test_local_prefix_hit_loads_only_the_blocks_after_it(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(5 * BLOCK + 3)
+    run_prefill(eng, request("r1", tokens, salt), list(range(6)), fill_seed=3)
+    saved = pages(eng, [2, 3, 4])
+    # vLLM already holds 2 blocks locally: kvtier offers the 3 after them.
+    req = request("r2", tokens, salt)
+    assert eng.scheduler.get_num_new_matched_tokens(req, 2 * BLOCK) == (3 * BLOCK, False)
+    eng.scheduler.update_state_after_alloc(req, blocks_of([0, 1, 40, 41, 42, 43]), 3 * BLOCK)
+    out = SchedulerOutput.make_empty()
+    meta = eng.scheduler.build_connector_meta(out)
+    assert [(j.start, j.end, j.block_ids) for j in meta.loads] == [(2, 5, (40, 41, 42))]
+    eng.worker.bind_connector_metadata(meta)
+    eng.worker.start_load_kv(None)
+    for name in LAYER_NAMES:
+        eng.worker.wait_for_layer_load(name)
+    eng.worker.wait_for_save()
+    assert eng.worker.get_block_ids_with_load_errors() == set()
+    eng.worker.clear_connector_metadata()
+    assert same_bytes(pages(eng, [40, 41, 42]), saved)
+
+
+def test_blocks_lost_after_lookup_are_reported_and_not_written(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(4 * BLOCK + 1)
+    run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=4)
+    req = request("r2", tokens, salt)
+    assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
+    # Between the scheduler's lookup and the worker's load, blocks 2.. vanish from every tier.
+    cache = eng.scheduler.cache
+    principal = Principal("acme", "alice")
+    chain = cache.chain(principal, [RequestSegment(tokens[: 4 * BLOCK], ScopeKind.USER)])
+    cache.store.delete([c.key for c in chain[2:]])
+    ids = [30, 31, 32, 33, 34]
+    eng.scheduler.update_state_after_alloc(req, blocks_of(ids), 4 * BLOCK)
+    meta = eng.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    eng.worker.bind_connector_metadata(meta)
+    eng.worker.start_load_kv(None)
+    for name in LAYER_NAMES:
+        eng.worker.wait_for_layer_load(name)
+    eng.worker.wait_for_save()
+    assert eng.worker.get_block_ids_with_load_errors() == {32, 33}
+    eng.worker.clear_connector_metadata()
+    assert all(not t[torch.tensor([32, 33])].any() for t in eng.kv.values())  # untouched zeros
+    assert all(t[torch.tensor([30, 31])].any() for t in eng.kv.values())
+
+
+def test_async_load_reports_through_get_finished(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file, load_async=True))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(3 * BLOCK + 5)
+    run_prefill(eng, request("r1", tokens, salt), list(range(4)), fill_seed=5)
+    saved = pages(eng, [0, 1, 2])
+    res = run_prefill(eng, request("r2", tokens, salt), [10, 11, 12, 13])
+    assert res.load_async and res.matched == 3 * BLOCK
+    finished = res.finished_recving or set()
+    if "r2" not in finished:  # the load thread may still run: the next step reports it
+        eng.worker._load_thread.join()
+        _, later = eng.worker.get_finished(set())
+        finished |= later or set()
+    assert finished == {"r2"}
+    assert same_bytes(pages(eng, [10, 11, 12]), saved)
+
+
+def test_public_registry_shares_a_published_document_across_tenants(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file, scope_rule="public-registry"))
+    cache = eng.scheduler.cache
+    doc = prompt(4 * BLOCK, base=11)
+    publisher = Principal("ops", "publisher", roles=frozenset({ROLE_PUBLISH_PUBLIC}))
+    chain = cache.chain(publisher, [RequestSegment(doc, ScopeKind.PUBLIC)])
+    gen = torch.Generator().manual_seed(9)
+    published = [torch.randn(cache.layout().block_shape, generator=gen).half() for _ in chain]
+    cache.save(publisher, chain, published)
+
+    question = prompt(BLOCK + 3, base=999)
+    bob = mint_salt(SALT_KEY, "globex", "bob")
+    res = run_prefill(eng, request("b1", doc + question, bob), list(range(6)), fill_seed=6)
+    assert res.matched == 4 * BLOCK
+    for li, name in enumerate(LAYER_NAMES):
+        got = eng.kv[name][torch.arange(4)]
+        assert torch.equal(got, torch.stack([p[li] for p in published]))
+    # Bob's private block (after the document) was saved in his own scope, never in public.
+    assert eng.worker.stats["saved_blocks"] == 1
+    carol = mint_salt(SALT_KEY, "initech", "carol")
+    assert eng.scheduler.get_num_new_matched_tokens(request("c1", doc + question, carol), 0) == (4 * BLOCK, False)
+    assert eng.scheduler.get_num_new_matched_tokens(request("b2", doc + question, bob), 0) == (5 * BLOCK, False)
+
+
+def test_chunked_prefill_saves_each_block_once(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(4 * BLOCK + 2)
+    req = request("r1", tokens, salt)
+    assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    eng.scheduler.update_state_after_alloc(req, blocks_of([0, 1]), 0)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData(req_id="r1", prompt_token_ids=tokens, mm_features=[],
+                                             sampling_params=req.sampling_params, pooling_params=None,
+                                             block_ids=([0, 1],), num_computed_tokens=0, lora_request=None)]
+    out.num_scheduled_tokens = {"r1": 2 * BLOCK + 5}
+    meta = eng.scheduler.build_connector_meta(out)
+    assert [(j.start, j.end) for j in meta.saves] == [(0, 2)]
+    out2 = SchedulerOutput.make_empty()
+    out2.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["r1"], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+        new_block_ids=[([2, 3, 4],)], num_computed_tokens=[2 * BLOCK + 5], num_output_tokens=[0])
+    out2.num_scheduled_tokens = {"r1": 2 * BLOCK - 3}
+    meta2 = eng.scheduler.build_connector_meta(out2)
+    assert [(j.start, j.end, j.block_ids) for j in meta2.saves] == [(2, 4, (2, 3))]
+
+
+def test_wrong_paged_kv_shape_is_refused(salt_key_file: str) -> None:
+    config = vllm_config(salt_key_file)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+    bad = {n: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, HEAD, dtype=torch.float16) for n in LAYER_NAMES}
+    with pytest.raises(LayoutMismatch):
+        worker.register_kv_caches(bad)
+    with pytest.raises(LayoutMismatch):
+        worker.register_kv_caches({LAYER_NAMES[0]: paged_kv()[LAYER_NAMES[0]]})
