@@ -47,6 +47,9 @@ class PrefillResult(NamedTuple):
     logits_last: torch.Tensor
     new_blocks: list[torch.Tensor]
     timing: PrefillTiming
+    #: The model's cache after the call (past + new tokens), only with ``keep_cache=True``: a
+    #: generator continues decoding from it (connectors.transformers_connector).
+    cache: DynamicCache | None = None
 
 
 class PrefillRunner:
@@ -79,6 +82,7 @@ class PrefillRunner:
         past_blocks: Sequence[PastBlock] | None = None,
         *,
         extract: bool = True,
+        keep_cache: bool = False,
     ) -> PrefillResult:
         """Run the model on ``tokens`` after the KV in ``past_blocks``; return the last logits and new KV.
 
@@ -97,7 +101,8 @@ class PrefillRunner:
             start = len(past) * self.layout.block_tokens
             blocks = self.blocks_from_cache(out.cache, start, start + ids.numel()) if extract else []
             t3 = time.perf_counter()
-        return PrefillResult(logits, blocks, PrefillTiming(t1 - t0, t2 - t1, t3 - t2))
+        timing = PrefillTiming(t1 - t0, t2 - t1, t3 - t2)
+        return PrefillResult(logits, blocks, timing, out.cache if keep_cache else None)
 
     # -- blocks <-> cache -----------------------------------------------------------------------
     def cache_from_blocks(self, blocks: Sequence[torch.Tensor]) -> DynamicCache:
