@@ -20,11 +20,16 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.cache import CacheOptions, KVCache
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
+from kvtier.store import TieredStore
+from kvtier.tenancy import Policy
+
+if TYPE_CHECKING:
+    from storage_backends.grpc import GrpcTierConfig
 
 CONFIG_PREFIX = "kvtier."
 
@@ -85,6 +90,18 @@ def shared_cache(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
         if cache is None:
             cache = _CACHES[key] = provider(cfg, layout)
         return cache
+
+
+def daemon_cache(tier_config: GrpcTierConfig, layout: KVLayout) -> KVCache:
+    """A KVCache whose one tier is a ``kvtier serve`` daemon, for the principal of the token in
+    ``tier_config`` only: keys use the scope domains the daemon hands out for that token (the
+    server secret never leaves the daemon), and the daemon checks its policy again on every call;
+    the local policy only refuses early. Pass the token's principal to every call."""
+    from storage_backends.grpc import GrpcTier
+
+    tier = GrpcTier(tier_config)
+    # DomainTable stands in for the DomainDeriver: it answers for the token's own scopes only.
+    return KVCache(TieredStore([tier]), layout, Policy(tier.domains()))  # type: ignore[arg-type]
 
 
 def forget_shared_caches() -> None:
