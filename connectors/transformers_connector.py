@@ -154,6 +154,8 @@ class TransformersConnector:
             predicted_ms=predicted,
         )
         self._observe(len(tokens) - start, start, res.timing)
+        # Token hit rate (DESIGN 3.9): input tokens whose KV came from the cache, over all input tokens.
+        self.cache.store.record_request(len(tokens), reused)
         return res.logits_last, res.cache, report
 
     def generate(self, principal: Principal, segments: Sequence[RequestSegment], max_new_tokens: int, *,

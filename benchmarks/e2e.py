@@ -1,0 +1,343 @@
+"""`kvtier bench e2e`: the seed article's scenario, end to end, with a real transformer on this machine.
+
+A shared document of several thousand tokens (public scope) and short questions from several
+tenants (each question in its asker's private user scope), served by a random-weight Llama in
+transformers through ``connectors.transformers_connector``:
+
+- cold: tenant 0 asks about the document on an empty cache (lookup misses, everything is
+  prefilled; tenant 0 holds ``publish:public`` and its request publishes the document's KV);
+- warm: every tenant (tenant 0 again too) asks a fresh question; the document's KV comes from
+  kvtier, chosen by the cost model, and only the question is prefilled.
+
+TTFT is from request arrival to the first generated token's logits: lookup + plan + load +
+prefill of the uncached part. For every request the same prompt is also computed from scratch
+(no cache) and the greedy tokens and first-step logits must agree. Both sides of the ratio are
+measured in this run, on this machine. ``run_scenario`` is the reusable core (``make run``
+drives it through the daemon).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import progress, table, write_json
+from connectors.transformers_connector import Generation, TransformersConnector
+from kvtier.cache import KVCache, RequestSegment
+from kvtier.costmodel import CostModel, TierProfile, probe_host_to_device, probe_prefill
+from kvtier.errors import ConfigError
+from kvtier.keys import DomainDeriver, ScopeKind
+from kvtier.layout import KVLayout
+from kvtier.models import model_spec
+from kvtier.prefill import PrefillRunner
+from kvtier.store import TieredStore
+from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.tier import Tier
+from storage_backends.memory import MemoryTier
+
+#: Relative logit agreement (max |a - b| / std) that counts as "the same" for bf16 KV reuse.
+LOGIT_TOLERANCE = 0.05
+_SECRET = b"kvtier-bench-e2e-server-secret-0123"
+
+#: A principal -> the KVCache it talks to (one shared in-process cache, or one daemon client each).
+CacheSource = Callable[[Principal], KVCache]
+
+
+def tenants_of(n: int) -> list[Principal]:
+    """Tenant 0 publishes the document; the others only read public content."""
+    return [Principal(f"tenant{i}", "user", roles=frozenset({ROLE_PUBLISH_PUBLIC}) if i == 0 else frozenset())
+            for i in range(n)]
+
+
+@dataclass(slots=True, frozen=True)
+class ScenarioConfig:
+    model: str = "small"
+    doc_tokens: int = 4000
+    question_tokens: int = 100
+    tenants: int = 2
+    new_tokens: int = 8
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.tenants < 2:
+            raise ConfigError("--tenants: the scenario needs at least 2 tenants")
+        if self.doc_tokens < 16 or self.question_tokens < 1 or self.new_tokens < 1:
+            raise ConfigError("--doc-tokens >= 16, --question-tokens >= 1 and --new-tokens >= 1 are required")
+        model_spec(self.model)
+
+
+@dataclass(slots=True)
+class RequestRow:
+    phase: str
+    tenant: str
+    ttft_ms: float
+    prompt_tokens: int
+    prefilled_tokens: int
+    reused_tokens: int
+    plan: str
+    loaded_tokens_by_tier: dict[str, int]
+    identical_tokens: bool
+    logit_diff: float
+
+
+def _tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.std().clamp_min(1e-6))
+
+
+def calibrated_cost_model(runner: PrefillRunner, tier_names: list[str]) -> CostModel:
+    """Prefill and host-copy profiles probed on this machine; tiers start from priors by kind and
+    calibrate online from the store's own transfers."""
+    priors = {"memory": (2e-5, 8e9), "lmdb": (2e-4, 2e9), "s3": (5e-3, 3e8), "daemon": (1e-3, 5e8)}
+    tiers = {name: TierProfile(name, *priors.get(name, (1e-3, 1e9))) for name in tier_names}
+    return CostModel(probe_prefill(runner), tiers, host_to_device=probe_host_to_device(runner))
+
+
+def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = None, *,
+                 runner: PrefillRunner | None = None, tenants: int | None = None) -> dict[str, Any]:
+    """Run cold and warm requests against ``source``; returns the JSON fields, per-request rows,
+    per-tier traffic and the cost model's decisions. The caches must serve ``layout_of(config)``."""
+    cfg = config or ScenarioConfig()
+    if tenants is not None:
+        cfg = ScenarioConfig(cfg.model, cfg.doc_tokens, cfg.question_tokens, tenants, cfg.new_tokens, cfg.seed)
+    cfg.validate()
+    caches = (lambda _p: source) if isinstance(source, KVCache) else source
+    spec = model_spec(cfg.model)
+    if runner is None:
+        progress(f"building the {cfg.model} model (random weights, {spec.dtype})")
+        runner = PrefillRunner(spec.build(cfg.seed), spec.layout())
+        runner.warmup()
+    people = tenants_of(cfg.tenants)
+    doc = _tokens(cfg.doc_tokens, spec.vocab_size, cfg.seed + 1)
+    reference = TransformersConnector(KVCache(TieredStore([MemoryTier(1 << 20)]), runner.layout,
+                                              Policy(DomainDeriver(_SECRET))), runner, save=False)
+
+    def ask(phase: str, who: Principal, question_seed: int) -> RequestRow:
+        question = _tokens(cfg.question_tokens, spec.vocab_size, question_seed)
+        segments = [RequestSegment(doc, ScopeKind.PUBLIC), RequestSegment(question, ScopeKind.USER)]
+        conn = TransformersConnector(caches(who), runner)
+        got: Generation = conn.generate(who, segments, cfg.new_tokens)
+        ref = reference.generate(who, segments, cfg.new_tokens, plan="full-recompute")
+        r = got.report
+        progress(f"{phase:<4} {who.tenant}: TTFT {r.ttft_s * 1e3:8.1f} ms, plan {r.plan}, "
+                 f"reused {r.reused_tokens} / {r.prompt_tokens} tokens")
+        return RequestRow(phase, who.tenant, r.ttft_s * 1e3, r.prompt_tokens, r.computed_tokens, r.reused_tokens,
+                          r.plan, dict(r.loaded_tokens_by_tier), got.tokens == ref.tokens,
+                          _agree(got.first_logits, ref.first_logits))
+
+    rows = [ask("cold", people[0], cfg.seed + 100)]
+    rows += [ask("warm", p, cfg.seed + 200 + i) for i, p in enumerate([*people[1:], people[0]])]
+    cold = [r.ttft_ms for r in rows if r.phase == "cold"]
+    warm = [r.ttft_ms for r in rows if r.phase == "warm"]
+    total_in = sum(r.prompt_tokens for r in rows)
+    ttft_cold, ttft_warm = statistics.median(cold), statistics.median(warm)
+    traffic = _traffic(caches, people)
+    return {
+        "ttft_cold_ms": ttft_cold,
+        "ttft_warm_ms": ttft_warm,
+        "speedup": ttft_cold / ttft_warm,
+        "token_hit_rate": sum(r.reused_tokens for r in rows) / total_in,
+        "identical_outputs": all(r.identical_tokens and r.logit_diff < LOGIT_TOLERANCE for r in rows),
+        "tokens_prefilled": sum(r.prefilled_tokens for r in rows),
+        "tokens_reused": sum(r.reused_tokens for r in rows),
+        "requests": [asdict(r) for r in rows],
+        "plans": {r.tenant + ":" + r.phase: r.plan for r in rows},
+        "tiers": traffic,
+        "config": asdict(cfg),
+        "layout": {"model_id": runner.layout.model_id, "bytes_per_token": runner.layout.bytes_per_token},
+    }
+
+
+def layout_of(config: ScenarioConfig) -> KVLayout:
+    return model_spec(config.model).layout()
+
+
+def _traffic(caches: CacheSource, people: list[Principal]) -> dict[str, dict[str, int]]:
+    """Per-tier counters summed over the distinct stores the tenants used."""
+    out: dict[str, dict[str, int]] = {}
+    seen: set[int] = set()
+    for p in people:
+        store = caches(p).store
+        if id(store) in seen:
+            continue
+        seen.add(id(store))
+        for t in store.stats()["tiers"]:
+            row = out.setdefault(str(t["tier"]), {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "puts": 0})
+            for k in row:
+                row[k] += int(t[k])
+    return out
+
+
+# -- tier setups (strategies) -----------------------------------------------------------------------
+class TierSetup(ABC):
+    """How one ``--tiers`` choice builds the per-principal caches of a run."""
+
+    name: str
+
+    @abstractmethod
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource: ...
+
+
+TIER_SETUPS: dict[str, TierSetup] = {}
+
+
+def register_setup(cls: type[TierSetup]) -> type[TierSetup]:
+    TIER_SETUPS[cls.name] = cls()
+    return cls
+
+
+def _keyring(stack: ExitStack, workdir: Path) -> Any:
+    import os
+
+    from kvtier.crypto import KeyRing, LmdbWrappedKeyStore, LocalKeyProvider
+
+    store = LmdbWrappedKeyStore(workdir / "keys", sync=False)
+    stack.callback(store.close)
+    return KeyRing(LocalKeyProvider(os.urandom(32), source="bench-e2e"), store)
+
+
+def _local(stack: ExitStack, tiers: list[Tier], layout: KVLayout) -> CacheSource:
+    store = TieredStore(tiers)
+    stack.callback(store.close)
+    cache = KVCache(store, layout, Policy(DomainDeriver(_SECRET)))
+    return lambda _p: cache
+
+
+@register_setup
+class MemorySetup(TierSetup):
+    name = "memory"
+
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+        return _local(stack, [MemoryTier(1 << 30)], layout)
+
+
+@register_setup
+class LmdbSetup(TierSetup):
+    name = "lmdb"
+
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+        from storage_backends.lmdb import LmdbTier
+
+        sealer = _keyring(stack, workdir) if encrypt else None
+        return _local(stack, [LmdbTier(workdir / "lmdb", 2 << 30, sync=False, sealer=sealer)], layout)
+
+
+@register_setup
+class S3Setup(TierSetup):
+    name = "s3"
+
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+        from kvtier.embedded_s3 import EmbeddedS3
+        from storage_backends.s3 import S3Tier
+
+        progress("starting embedded SeaweedFS (S3 on loopback)")
+        srv = EmbeddedS3(workdir / "seaweedfs", bucket="kvtier-e2e", volume_size_limit_mb=256).start()
+        stack.callback(srv.kill)
+        sealer = _keyring(stack, workdir) if encrypt else None
+        return _local(stack, [S3Tier(srv.s3_config("e2e"), sealer=sealer)], layout)
+
+
+@register_setup
+class DaemonSetup(TierSetup):
+    """A ``kvtier serve`` daemon in this process over loopback gRPC; one client per tenant token."""
+
+    name = "daemon"
+
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+        from connectors.provision import daemon_cache
+        from kvtier.server.daemon import Daemon
+        from kvtier.server.localdeploy import LocalDeployment
+        from storage_backends.grpc import GrpcTierConfig
+
+        dep = LocalDeployment(workdir / "daemon", server_secret=_SECRET)
+        dep.write_config(memory_bytes=1 << 30, server={"log_level": "warning"})
+        progress("starting a kvtier daemon (gRPC on loopback)")
+        daemon = Daemon(dep.config()).start()
+        stack.callback(daemon.stop, 0)
+        clients: dict[str, KVCache] = {}
+
+        def cache_for(p: Principal) -> KVCache:
+            if p.id not in clients:
+                token = dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600)
+                clients[p.id] = daemon_cache(GrpcTierConfig(daemon.address, token), layout)
+                stack.callback(clients[p.id].store.close)
+            return clients[p.id]
+
+        return cache_for
+
+
+@contextmanager
+def _workdir(path: str | None) -> Iterator[Path]:
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as td:
+            yield Path(td)
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="small", help="model size: tiny, small, medium (default small)")
+    p.add_argument("--doc-tokens", type=int, default=4000, help="shared public document length (default 4000)")
+    p.add_argument("--question-tokens", type=int, default=100, help="private question length (default 100)")
+    p.add_argument("--tenants", type=int, default=2, help="tenants asking questions (default 2)")
+    p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens generated per request (default 8)")
+    p.add_argument("--tiers", default="memory", choices=sorted(TIER_SETUPS), help="where the KV lives (default memory)")
+    p.add_argument("--encrypt", action="store_true", help="encrypt the LMDB/S3 tier (AES-256-GCM per scope)")
+    p.add_argument("--no-cost-model", action="store_true", help="reload every cached block instead of planning")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", help="directory for LMDB/S3/daemon data (default: a temporary one)")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ScenarioConfig(args.model, args.doc_tokens, args.question_tokens, args.tenants, args.new_tokens, args.seed)
+    cfg.validate()
+    spec = model_spec(cfg.model)
+    progress(f"building the {cfg.model} model (random weights, {spec.dtype})")
+    runner = PrefillRunner(spec.build(cfg.seed), spec.layout())
+    runner.warmup()
+    t0 = time.perf_counter()
+    with ExitStack() as stack, _workdir(args.workdir) as workdir:
+        source = TIER_SETUPS[args.tiers].open(stack, workdir, runner.layout, args.encrypt)
+        if not args.no_cost_model:
+            progress("start-up probe of the prefill and host copies (cost model)")
+            cm = calibrated_cost_model(runner, [args.tiers])
+            for p in tenants_of(cfg.tenants):
+                source(p).store.cost_model = cm
+        result = run_scenario(source, cfg, runner=runner)
+    result["tiers_setup"] = args.tiers + ("+encrypted" if args.encrypt else "")
+    result["seconds"] = time.perf_counter() - t0
+    _print(result)
+    write_json(args.json, result)
+    return 0 if result["identical_outputs"] else 1
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(table(result["requests"], [("phase", "phase", ""), ("tenant", "tenant", ""), ("ttft_ms", "TTFT ms", ".1f"),
+                                     ("prompt_tokens", "prompt", ","), ("prefilled_tokens", "prefilled", ","),
+                                     ("reused_tokens", "reused", ","), ("plan", "plan", ""),
+                                     ("identical_tokens", "same tokens", "")]))
+    print()
+    rows = [{"tier": k, **v, "MiB in": v["bytes_in"] / 2**20, "MiB out": v["bytes_out"] / 2**20}
+            for k, v in result["tiers"].items()]
+    print(table(rows, [("tier", "tier", ""), ("hits", "hits", ","), ("misses", "misses", ","), ("puts", "puts", ","),
+                       ("MiB in", "MiB in", ".1f"), ("MiB out", "MiB out", ".1f")]))
+    print(f"\nTTFT cold {result['ttft_cold_ms']:.1f} ms, warm {result['ttft_warm_ms']:.1f} ms: "
+          f"{result['speedup']:.1f}x faster warm; token hit rate {result['token_hit_rate']:.3f}; "
+          f"tokens prefilled {result['tokens_prefilled']:,}, reused {result['tokens_reused']:,}; "
+          f"identical outputs: {result['identical_outputs']}")
