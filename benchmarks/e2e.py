@@ -25,7 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,12 @@ class ScenarioConfig:
     tenants: int = 2
     new_tokens: int = 8
     seed: int = 0
+    #: Rounds of (cold, warm...) with a fresh document each; TTFTs are medians over the rounds.
+    repeats: int = 3
 
     def validate(self) -> None:
+        if self.repeats < 1:
+            raise ConfigError("--repeats must be >= 1")
         if self.tenants < 2:
             raise ConfigError("--tenants: the scenario needs at least 2 tenants")
         if self.doc_tokens < 16 or self.question_tokens < 1 or self.new_tokens < 1:
@@ -112,7 +116,7 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
     per-tier traffic and the cost model's decisions. The caches must serve ``layout_of(config)``."""
     cfg = config or ScenarioConfig()
     if tenants is not None:
-        cfg = ScenarioConfig(cfg.model, cfg.doc_tokens, cfg.question_tokens, tenants, cfg.new_tokens, cfg.seed)
+        cfg = replace(cfg, tenants=tenants)
     cfg.validate()
     caches = (lambda _p: source) if isinstance(source, KVCache) else source
     spec = model_spec(cfg.model)
@@ -121,11 +125,10 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
         runner = PrefillRunner(spec.build(cfg.seed), spec.layout())
         runner.warmup()
     people = tenants_of(cfg.tenants)
-    doc = _tokens(cfg.doc_tokens, spec.vocab_size, cfg.seed + 1)
     reference = TransformersConnector(KVCache(TieredStore([MemoryTier(1 << 20)]), runner.layout,
                                               Policy(DomainDeriver(_SECRET))), runner, save=False)
 
-    def ask(phase: str, who: Principal, question_seed: int) -> RequestRow:
+    def ask(phase: str, who: Principal, doc: list[int], question_seed: int) -> RequestRow:
         question = _tokens(cfg.question_tokens, spec.vocab_size, question_seed)
         segments = [RequestSegment(doc, ScopeKind.PUBLIC), RequestSegment(question, ScopeKind.USER)]
         conn = TransformersConnector(caches(who), runner)
@@ -138,8 +141,11 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
                           r.plan, dict(r.loaded_tokens_by_tier), got.tokens == ref.tokens,
                           _agree(got.first_logits, ref.first_logits))
 
-    rows = [ask("cold", people[0], cfg.seed + 100)]
-    rows += [ask("warm", p, cfg.seed + 200 + i) for i, p in enumerate([*people[1:], people[0]])]
+    rows: list[RequestRow] = []
+    for rnd in range(cfg.repeats):
+        doc = _tokens(cfg.doc_tokens, spec.vocab_size, cfg.seed + 1 + 1000 * rnd)
+        rows.append(ask("cold", people[0], doc, cfg.seed + 100 + 1000 * rnd))
+        rows += [ask("warm", p, doc, cfg.seed + 200 + 1000 * rnd + i) for i, p in enumerate([*people[1:], people[0]])]
     cold = [r.ttft_ms for r in rows if r.phase == "cold"]
     warm = [r.ttft_ms for r in rows if r.phase == "warm"]
     total_in = sum(r.prompt_tokens for r in rows)
@@ -299,13 +305,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", default="memory", choices=sorted(TIER_SETUPS), help="where the KV lives (default memory)")
     p.add_argument("--encrypt", action="store_true", help="encrypt the LMDB/S3 tier (AES-256-GCM per scope)")
     p.add_argument("--no-cost-model", action="store_true", help="reload every cached block instead of planning")
+    p.add_argument("--repeats", type=int, default=3, help="rounds with a fresh document each; medians (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="directory for LMDB/S3/daemon data (default: a temporary one)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = ScenarioConfig(args.model, args.doc_tokens, args.question_tokens, args.tenants, args.new_tokens, args.seed)
+    cfg = ScenarioConfig(args.model, args.doc_tokens, args.question_tokens, args.tenants, args.new_tokens, args.seed,
+                         args.repeats)
     cfg.validate()
     spec = model_spec(cfg.model)
     progress(f"building the {cfg.model} model (random weights, {spec.dtype})")

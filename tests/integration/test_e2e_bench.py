@@ -19,7 +19,8 @@ from kvtier.store import TieredStore
 from kvtier.tenancy import Policy
 from storage_backends.memory import MemoryTier
 
-SMALL_ARGS = ["--model", "tiny", "--doc-tokens", "200", "--question-tokens", "20", "--new-tokens", "3"]
+SMALL_ARGS = ["--model", "tiny", "--doc-tokens", "200", "--question-tokens", "20", "--new-tokens", "3",
+              "--repeats", "1"]
 
 
 def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,11 +52,11 @@ def test_scenario_through_lmdb_without_cost_model(tmp_path: Path) -> None:
 
 
 def test_run_scenario_takes_a_shared_cache() -> None:
-    cfg = ScenarioConfig(model="tiny", doc_tokens=64, question_tokens=5, new_tokens=2)
+    cfg = ScenarioConfig(model="tiny", doc_tokens=64, question_tokens=5, new_tokens=2, repeats=2)
     cache = KVCache(TieredStore([MemoryTier(64 << 20)]), model_spec("tiny").layout(),
                     Policy(DomainDeriver(b"run-scenario-test-secret-0123456789")))
     res = run_scenario(cache, cfg)
-    assert res["identical_outputs"] is True and res["tokens_reused"] == 2 * 64
+    assert res["identical_outputs"] is True and res["tokens_reused"] == 2 * 2 * 64
 
 
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,3 +64,5 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown model size" in capsys.readouterr().err
     with pytest.raises(ConfigError):
         ScenarioConfig(tenants=1).validate()
+    with pytest.raises(ConfigError):
+        ScenarioConfig(repeats=0).validate()
