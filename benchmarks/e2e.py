@@ -19,7 +19,10 @@ drives it through the daemon).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -35,7 +38,7 @@ from benchmarks.common import progress, table, write_json
 from connectors.transformers_connector import Generation, TransformersConnector
 from kvtier.cache import KVCache, RequestSegment
 from kvtier.costmodel import CostModel, TierProfile, probe_host_to_device, probe_prefill
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierUnavailable
 from kvtier.keys import DomainDeriver, ScopeKind
 from kvtier.layout import KVLayout
 from kvtier.models import model_spec
@@ -92,6 +95,7 @@ class RequestRow:
     loaded_tokens_by_tier: dict[str, int]
     identical_tokens: bool
     logit_diff: float
+    phases_ms: dict[str, float]
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -139,7 +143,7 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
                  f"reused {r.reused_tokens} / {r.prompt_tokens} tokens")
         return RequestRow(phase, who.tenant, r.ttft_s * 1e3, r.prompt_tokens, r.computed_tokens, r.reused_tokens,
                           r.plan, dict(r.loaded_tokens_by_tier), got.tokens == ref.tokens,
-                          _agree(got.first_logits, ref.first_logits))
+                          _agree(got.first_logits, ref.first_logits), dict(r.phases_ms))
 
     rows: list[RequestRow] = []
     for rnd in range(cfg.repeats):
@@ -258,31 +262,48 @@ class S3Setup(TierSetup):
 
 @register_setup
 class DaemonSetup(TierSetup):
-    """A ``kvtier serve`` daemon in this process over loopback gRPC; one client per tenant token."""
+    """A ``kvtier serve`` daemon in its own process on loopback gRPC (as deployed: the engine and
+    the daemon do not share a GIL); one client per tenant token."""
 
     name = "daemon"
 
     def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
         from connectors.provision import daemon_cache
-        from kvtier.server.daemon import Daemon
         from kvtier.server.localdeploy import LocalDeployment
         from storage_backends.grpc import GrpcTierConfig
 
         dep = LocalDeployment(workdir / "daemon", server_secret=_SECRET)
         dep.write_config(memory_bytes=1 << 30, server={"log_level": "warning"})
+        ready = workdir / "daemon" / "ready.json"
         progress("starting a kvtier daemon (gRPC on loopback)")
-        daemon = Daemon(dep.config()).start()
-        stack.callback(daemon.stop, 0)
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
+                                 "--ready-file", str(ready)])
+        stack.callback(_stop, proc)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
+            time.sleep(0.1)
+        address = json.loads(ready.read_text())["address"]
         clients: dict[str, KVCache] = {}
 
         def cache_for(p: Principal) -> KVCache:
             if p.id not in clients:
                 token = dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600)
-                clients[p.id] = daemon_cache(GrpcTierConfig(daemon.address, token), layout)
+                clients[p.id] = daemon_cache(GrpcTierConfig(address, token), layout)
                 stack.callback(clients[p.id].store.close)
             return clients[p.id]
 
         return cache_for
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextmanager
