@@ -36,8 +36,11 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
     bt = model_spec("tiny").block_tokens
     # The document's full blocks come from kvtier unless the cost model chose to recompute them.
     assert all(r["reused_tokens"] == 200 // bt * bt or r["plan"] == "full-recompute" for r in warm)
-    assert 0 < data["token_hit_rate"] < 1
-    assert data["tiers"]["memory"]["hits"] > 0
+    # For so short a document the calibrated cost model may rightly prefer recomputing; the rate
+    # is whatever was reused (the no-cost-model test below pins reuse down).
+    total = sum(r["prompt_tokens"] for r in data["requests"])
+    assert data["token_hit_rate"] == pytest.approx(data["tokens_reused"] / total)
+    assert data["tiers"]["memory"]["puts"] > 0
     assert "TTFT cold" in capsys.readouterr().out
 
 
@@ -47,7 +50,9 @@ def test_scenario_through_lmdb_without_cost_model(tmp_path: Path) -> None:
                  "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["identical_outputs"] is True
-    assert all(r["plan"] == "full-reload" for r in data["requests"] if r["phase"] == "warm")
+    warm = [r for r in data["requests"] if r["phase"] == "warm"]
+    assert all(r["plan"] == "full-reload" and r["reused_tokens"] == 192 for r in warm)
+    assert 0 < data["token_hit_rate"] < 1
     assert data["tiers"]["lmdb"]["bytes_out"] > 0
 
 
