@@ -311,10 +311,11 @@ class TierProfile:
         with self._lock:
             self._overlap += alpha * (min(max(fraction, 0.0), MAX_OVERLAP_PENALTY) - self._overlap)
 
-    def describe(self) -> dict[str, float | str | bool]:
+    def describe(self) -> dict[str, float | str | bool | None]:
+        """Parameters in readable units (JSON-safe: an unlimited bandwidth is None)."""
         lat, pb, spb = self.coefficients()
         return {"tier": self.name, "latency_ms": lat * 1e3, "per_block_us": pb * 1e6,
-                "bandwidth_MBps": (1.0 / spb / 1e6) if spb > 0 else math.inf, "encrypted": self.encrypted,
+                "bandwidth_MBps": (1.0 / spb / 1e6) if spb > 0 else None, "encrypted": self.encrypted,
                 "overlap": self._overlap, "observations": self.observations}
 
 
@@ -360,7 +361,7 @@ class PrefillProfile:
         return self._fit.observations
 
     def describe(self) -> dict[str, float]:
-        t = self._fit.theta
+        t = [float(v) for v in self._fit.theta]
         return {"fixed_ms": t[0] * 1e3, "per_token_us": t[1] * 1e6, "per_pair_ns": t[2] * 1e9,
                 "per_ctx_token_ns": t[3] * 1e9, "observations": self.observations}
 
@@ -390,9 +391,9 @@ class HostToDeviceProfile:
         s = float(self._fit.theta[1])
         return 1.0 / s if s > 0 else math.inf
 
-    def describe(self) -> dict[str, float]:
+    def describe(self) -> dict[str, float | None]:
         t = self._fit.theta
-        return {"fixed_ms": t[0] * 1e3, "bandwidth_GBps": (1e-9 / t[1]) if t[1] > 0 else math.inf}
+        return {"fixed_ms": float(t[0]) * 1e3, "bandwidth_GBps": (1e-9 / float(t[1])) if t[1] > 0 else None}
 
 
 # -- plans ------------------------------------------------------------------------------------------
