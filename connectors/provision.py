@@ -63,6 +63,8 @@ def _from_factory(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"kvtier.factory: cannot load {spec!r} ({exc})") from None
+    if not callable(fn):
+        raise ConfigError(f"kvtier.factory: {spec!r} is not a function")
     cache = fn(cfg, layout)
     if not isinstance(cache, KVCache):
         raise ConfigError(f"kvtier.factory: {spec!r} returned {type(cache).__name__}, not a KVCache")

@@ -1,0 +1,104 @@
+"""Connector plumbing that needs no engine: salts -> principals, scope rules, cache providers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from connectors.identity import HmacSaltMapper, TokenSaltMapper, mint_salt, salt_mapper
+from connectors.provision import forget_shared_caches, kvtier_options, shared_cache
+from connectors.scoping import load_decision, scope_rule, scoped_chain
+from kvtier.cache import KVCache, RequestSegment
+from kvtier.errors import AuthError, ConfigError
+from kvtier.keys import DomainDeriver, ScopeKind
+from kvtier.layout import KVLayout
+from kvtier.store import TieredStore
+from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.tokens import HmacKey, MintRequest, TokenVerifier, mint
+from storage_backends.memory import MemoryTier
+
+KEY = b"k" * 40
+LAYOUT = KVLayout("identity-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)
+
+
+def test_hmac_salts_bind_a_tenant_and_refuse_everything_else() -> None:
+    m = HmacSaltMapper(KEY)
+    assert m.principal(mint_salt(KEY, "acme", "alice")) == Principal("acme", "alice")
+    assert m.principal(None) is None and m.principal("") is None
+    good = mint_salt(KEY, "acme", "alice")
+    for bad in (good.replace("alice", "bob"), mint_salt(b"x" * 40, "acme", "alice"), "kvs1:acme:00",
+                "acme/alice", good[:-1] + ("0" if good[-1] != "0" else "1"), "kvs1:acme/al:ice:" + "0" * 64,
+                "x" * 5000):
+        with pytest.raises(AuthError):
+            m.principal(bad)
+    with pytest.raises(ConfigError):
+        HmacSaltMapper(b"short")
+    assert "k" * 8 not in repr(m)
+
+
+def test_token_salts_are_verified_tokens() -> None:
+    key = HmacKey("default", b"t" * 32)
+    m = TokenSaltMapper(TokenVerifier([key]))
+    p = Principal("acme", "alice", roles=frozenset({ROLE_PUBLISH_PUBLIC}))
+    got = m.principal(mint(key, MintRequest(p, 60)))
+    assert got is not None and (got.tenant, got.user, got.roles) == ("acme", "alice", p.roles)
+    with pytest.raises(AuthError):
+        m.principal(mint(key, MintRequest(p, 60), now=0.0))  # expired long ago
+    with pytest.raises(AuthError):
+        m.principal(mint(HmacKey("default", b"u" * 32), MintRequest(p, 60)))  # another key
+
+
+def test_mapper_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="salt_key_file"):
+        salt_mapper({"salt_mapper": "hmac"})
+    with pytest.raises(ConfigError, match="salt_key_file"):
+        salt_mapper({"salt_mapper": "hmac", "salt_key_file": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="salt_mapper"):
+        salt_mapper({"salt_mapper": "trust-me"})
+    f = tmp_path / "salt.key"
+    f.write_text(KEY.hex() + "\n")
+    assert salt_mapper({"salt_key_file": str(f)}).principal(mint_salt(KEY, "a", "b")) == Principal("a", "b")
+
+
+def _cache(cfg: object = None, layout: KVLayout = LAYOUT) -> KVCache:
+    return KVCache(TieredStore([MemoryTier(1 << 20)]), layout, Policy(DomainDeriver(b"s" * 32)))
+
+
+def test_provider_shares_one_cache_per_process_and_refuses_bad_config() -> None:
+    forget_shared_caches()
+    cfg = kvtier_options({"kvtier.cache": "factory", "kvtier.factory": f"{__name__}:_cache", "other": 1})
+    assert cfg == {"cache": "factory", "factory": f"{__name__}:_cache"}
+    assert shared_cache(cfg, LAYOUT) is shared_cache(cfg, LAYOUT)
+    with pytest.raises(ConfigError, match=r"kvtier\.cache"):
+        shared_cache({"cache": "nope"}, LAYOUT)
+    for bad in ("no-colon", "no.such.module:f", f"{__name__}:missing", f"{__name__}:LAYOUT"):
+        with pytest.raises(ConfigError, match=r"kvtier\.factory"):
+            shared_cache({"cache": "factory", "factory": bad}, LAYOUT)
+    with pytest.raises(ConfigError, match=r"kvtier\.config"):
+        shared_cache({"cache": "config"}, LAYOUT)
+    forget_shared_caches()
+
+
+def test_public_registry_marks_only_published_blocks_public() -> None:
+    cache = _cache()
+    doc, private = list(range(12)), list(range(100, 110))
+    publisher = Principal("ops", "pub", roles=frozenset({ROLE_PUBLISH_PUBLIC}))
+    chain = cache.chain(publisher, [RequestSegment(doc[:8], ScopeKind.PUBLIC)])
+    cache.save(publisher, chain, [torch.zeros(LAYOUT.block_shape, dtype=torch.float16)] * 2)
+    alice = Principal("acme", "alice")
+    scoped = scope_rule("public-registry").scope(cache, alice, doc + private, 5)
+    assert scoped.public_blocks == 2  # the third document block was never published: private
+    keys = scoped_chain(cache, alice, scoped, 5)
+    assert [k.scope.kind for k in keys] == [ScopeKind.PUBLIC] * 2 + [ScopeKind.USER] * 3
+    assert scope_rule("private").scope(cache, alice, doc, 3).public_blocks == 0
+    lk = cache.lookup(alice, keys)
+    assert load_decision(cache, lk, 10, LAYOUT).blocks == 2  # no cost model: reload the whole hit
+    # A principal limited to public scopes keeps only the public part.
+    reader = Principal("acme", "reader", scope_kinds=frozenset({ScopeKind.PUBLIC}))
+    assert len(scoped_chain(cache, reader, scoped, 5)) == 2
+    with pytest.raises(ConfigError):
+        scope_rule("everything-public")
+    with pytest.raises(ConfigError):
+        scope_rule("private", "public")
