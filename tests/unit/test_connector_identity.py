@@ -102,3 +102,23 @@ def test_public_registry_marks_only_published_blocks_public() -> None:
         scope_rule("everything-public")
     with pytest.raises(ConfigError):
         scope_rule("private", "public")
+
+
+def test_config_provider_opens_the_tiers_of_a_kvtier_toml(tmp_path: Path) -> None:
+    from kvtier.server.localdeploy import LocalDeployment
+
+    dep = LocalDeployment(tmp_path / "dep", server_secret=b"config-provider-secret-0123456789")
+    dep.write_config(memory_bytes=1 << 20, disk_bytes=8 << 20)
+    forget_shared_caches()
+    try:
+        cache = shared_cache({"cache": "config", "config": str(dep.config_file)}, LAYOUT)
+        assert shared_cache({"cache": "config", "config": str(dep.config_file)}, LAYOUT) is cache
+        alice = Principal("acme", "alice")
+        chain = cache.chain(alice, [RequestSegment(list(range(8)), ScopeKind.USER)])
+        data = [torch.full(LAYOUT.block_shape, float(i), dtype=torch.float16) for i in range(2)]
+        cache.save(alice, chain, data)
+        got = cache.load(alice, chain)
+        assert [torch.equal(g.data, d) for g, d in zip(got, data, strict=True)] == [True, True]
+        assert cache.lookup(Principal("globex", "bob"), chain).length == 0
+    finally:
+        forget_shared_caches()
