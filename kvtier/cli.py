@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvtier.server.daemon", "run the gRPC cache daemon"),
     "s3": ("kvtier.embedded_s3", "start or stop an embedded SeaweedFS S3 server for local use"),
     "token": ("kvtier.server.tokens", "mint a signed capability token for a principal"),
+    "admin": ("kvtier.admin", "operator calls against a daemon: purge a scope, revoke, stats"),
     "keys": ("kvtier.keyadmin", "master keys: create one, rewrap data keys under a new one; verify the audit log"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
