@@ -96,6 +96,8 @@ class RequestRow:
     identical_tokens: bool
     logit_diff: float
     phases_ms: dict[str, float]
+    #: The cost model's predicted TTFT of every plan it considered (empty without a cost model).
+    predicted_ms: dict[str, float]
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -143,7 +145,7 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
                  f"reused {r.reused_tokens} / {r.prompt_tokens} tokens")
         return RequestRow(phase, who.tenant, r.ttft_s * 1e3, r.prompt_tokens, r.computed_tokens, r.reused_tokens,
                           r.plan, dict(r.loaded_tokens_by_tier), got.tokens == ref.tokens,
-                          _agree(got.first_logits, ref.first_logits), dict(r.phases_ms))
+                          _agree(got.first_logits, ref.first_logits), dict(r.phases_ms), dict(r.predicted_ms))
 
     rows: list[RequestRow] = []
     for rnd in range(cfg.repeats):
@@ -268,9 +270,7 @@ class DaemonSetup(TierSetup):
     name = "daemon"
 
     def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
-        from connectors.provision import daemon_cache
         from kvtier.server.localdeploy import LocalDeployment
-        from storage_backends.grpc import GrpcTierConfig
 
         dep = LocalDeployment(workdir / "daemon", server_secret=_SECRET)
         dep.write_config(memory_bytes=1 << 30, server={"log_level": "warning"})
@@ -285,16 +285,25 @@ class DaemonSetup(TierSetup):
                 raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
             time.sleep(0.1)
         address = json.loads(ready.read_text())["address"]
-        clients: dict[str, KVCache] = {}
+        return daemon_source(stack, address,
+                             lambda p: dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600), layout)
 
-        def cache_for(p: Principal) -> KVCache:
-            if p.id not in clients:
-                token = dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600)
-                clients[p.id] = daemon_cache(GrpcTierConfig(address, token), layout)
-                stack.callback(clients[p.id].store.close)
-            return clients[p.id]
 
-        return cache_for
+def daemon_source(stack: ExitStack, address: str, token_for: Callable[[Principal], str],
+                  layout: KVLayout) -> CacheSource:
+    """One daemon client per principal, with the token ``token_for`` mints for it (closed by ``stack``)."""
+    from connectors.provision import daemon_cache
+    from storage_backends.grpc import GrpcTierConfig
+
+    clients: dict[str, KVCache] = {}
+
+    def cache_for(p: Principal) -> KVCache:
+        if p.id not in clients:
+            clients[p.id] = daemon_cache(GrpcTierConfig(address, token_for(p)), layout)
+            stack.callback(clients[p.id].store.close)
+        return clients[p.id]
+
+    return cache_for
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

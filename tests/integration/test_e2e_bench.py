@@ -71,3 +71,12 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         ScenarioConfig(tenants=1).validate()
     with pytest.raises(ConfigError):
         ScenarioConfig(repeats=0).validate()
+
+
+def test_scenario_through_a_daemon_process(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", *SMALL_ARGS, "--tiers", "daemon", "--no-cost-model", "--workdir", str(tmp_path / "w"),
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["identical_outputs"] is True
+    assert all(r["loaded_tokens_by_tier"] == {"daemon": 192} for r in data["requests"] if r["phase"] == "warm")
