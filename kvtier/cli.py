@@ -32,9 +32,14 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-def _attach(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]]) -> None:
+def _attach(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]], wanted: str | None,
+            load_all: bool) -> None:
+    """Only the chosen command's module is imported: the others (torch models, boto3, grpc) cost
+    seconds of start-up that a daemon or a one-line admin call should not pay."""
     for name, (module, helptext) in table.items():
         p = sub.add_parser(name, help=helptext, description=helptext)
+        if not load_all and name != wanted:
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -46,24 +51,32 @@ def _attach(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]]) 
         p.set_defaults(_run=mod.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _positionals(argv: Sequence[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")][:2]
+
+
+def build_parser(argv: Sequence[str] | None = None, *, load_all: bool = False) -> argparse.ArgumentParser:
+    """The parser for ``argv`` (default: sys.argv); ``load_all`` imports every command's options."""
+    pos = _positionals(sys.argv[1:] if argv is None else argv)
+    command = pos[0] if pos else None
+    bench_name = pos[1] if command == "bench" and len(pos) > 1 else None
     parser = argparse.ArgumentParser(
         prog="kvtier",
         description="kvtier: tiered, tenant-isolated KV-cache offload for LLM inference "
         "(GPU -> CPU -> LMDB disk -> S3).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _attach(sub, COMMANDS)
+    _attach(sub, COMMANDS, command, load_all)
     bench = sub.add_parser("bench", help="benchmarks (results as JSON, tables on stdout)",
                            description="Benchmarks; each reports ratios against a baseline measured in the same run.")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    _attach(bsub, BENCHES)
+    _attach(bsub, BENCHES, bench_name, load_all)
     bench.set_defaults(_help=bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"kvtier: {args._missing}", file=sys.stderr)

@@ -35,13 +35,13 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 
 def test_every_kvtier_command_in_the_docs_exists():
-    top = _subcommands(build_parser())
+    top = _subcommands(build_parser(load_all=True))
     seen = 0
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
         code = re.findall(r"```[a-z]*\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text)
         for line in "\n".join(code).splitlines():
-            m = re.match(r"^\s*(?:\$ )?kvtier ([a-z0-9-]+)(?: ([a-z0-9-]+))?", line)
+            m = re.match(r"^\s*(?:\$ )?kvtier ([a-z][a-z0-9-]*)(?: ([a-z][a-z0-9-]*))?", line)
             if not m:
                 continue
             seen += 1
