@@ -270,23 +270,51 @@ class DaemonSetup(TierSetup):
     name = "daemon"
 
     def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
-        from kvtier.server.localdeploy import LocalDeployment
+        return start_daemon(stack, workdir, layout, memory_bytes=1 << 30)
 
-        dep = LocalDeployment(workdir / "daemon", server_secret=_SECRET)
-        dep.write_config(memory_bytes=1 << 30, server={"log_level": "warning"})
-        ready = workdir / "daemon" / "ready.json"
-        progress("starting a kvtier daemon (gRPC on loopback)")
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
-                                 "--ready-file", str(ready)])
-        stack.callback(_stop, proc)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
-            time.sleep(0.1)
-        address = json.loads(ready.read_text())["address"]
-        return daemon_source(stack, address,
-                             lambda p: dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600), layout)
+
+@register_setup
+class DaemonS3Setup(TierSetup):
+    """The deployed shape: a daemon whose memory tier holds less than the document, over an
+    encrypted LMDB tier, writing through to an embedded SeaweedFS (also encrypted)."""
+
+    name = "daemon+s3"
+
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+        from kvtier.embedded_s3 import EmbeddedS3
+
+        progress("starting embedded SeaweedFS (S3 on loopback)")
+        srv = EmbeddedS3(workdir / "seaweedfs", bucket="kvtier-e2e", volume_size_limit_mb=256).start()
+        stack.callback(srv.kill)
+        remote = {"endpoint": srv.endpoint_url, "bucket": srv.bucket, "prefix": "kv", "write_policy": "write-through"}
+        # Half a document of memory: every warm request reads from memory and from LMDB.
+        doc_bytes = 4000 * layout.bytes_per_token
+        return start_daemon(stack, workdir, layout, memory_bytes=doc_bytes // 2, disk_bytes=1 << 30, remote=remote,
+                            security={"encrypt_disk": encrypt, "encrypt_remote": encrypt})
+
+
+def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_bytes: int,
+                 disk_bytes: int | None = None, remote: dict[str, Any] | None = None,
+                 security: dict[str, Any] | None = None) -> CacheSource:
+    """Start ``kvtier serve`` in a subprocess (stopped by ``stack``); one client per principal."""
+    from kvtier.server.localdeploy import LocalDeployment
+
+    dep = LocalDeployment(workdir / "daemon", server_secret=_SECRET)
+    dep.write_config(memory_bytes=memory_bytes, disk_bytes=disk_bytes, remote=remote, security=security,
+                     server={"log_level": "warning"})
+    ready = workdir / "daemon" / "ready.json"
+    progress("starting a kvtier daemon (gRPC on loopback)")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
+                             "--ready-file", str(ready)])
+    stack.callback(_stop, proc)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
+        time.sleep(0.1)
+    address = json.loads(ready.read_text())["address"]
+    return daemon_source(stack, address,
+                         lambda p: dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600), layout)
 
 
 def daemon_source(stack: ExitStack, address: str, token_for: Callable[[Principal], str],

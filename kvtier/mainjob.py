@@ -1,8 +1,15 @@
-"""The main job behind `make run`: push blocks through the tiers, reload them, verify, report.
+"""The main job behind `make run`.
 
-Stage 1 stores and reloads a few thousand real-size blocks through memory -> LMDB (spilling
-and promoting on the way), verifies every byte, and prints per-tier traffic; stage 2 prints
-the `kvtier bench tiers --quick` table.
+1. Starts an embedded SeaweedFS (S3) and a `kvtier serve` daemon over it: memory tier (half a
+   document), encrypted LMDB, encrypted S3 with write-through.
+2. Runs the seed article's scenario through the daemon with a real transformer (the `small`
+   random-weight Llama): a public 4,000-token manual shared by two tenants, private 100-token
+   questions. Prints time to first token cold vs warm, tokens prefilled vs reused, the token hit
+   rate, the cost model's decision for every request with its predictions, and the traffic of
+   every tier inside the daemon. Every output is checked against a from-scratch recompute.
+3. Prints the `kvtier bench tiers --quick` table (each tier against this machine's raw limits).
+
+Everything it starts is stopped before it exits; it exits 0 only if every check held.
 """
 
 from __future__ import annotations
@@ -10,79 +17,71 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from benchmarks.common import progress, table
-from kvtier.block import Block
-from kvtier.keys import DomainDeriver, Scope, Segment, block_chain
-from kvtier.layout import KVLayout
-from kvtier.store import TieredStore
-from storage_backends.lmdb import LmdbTier
-from storage_backends.memory import MemoryTier
-
-LAYOUT = KVLayout("mainjob-demo", num_layers=8, num_kv_heads=4, head_dim=64, dtype="bfloat16", block_tokens=16)
+from benchmarks.e2e import TIER_SETUPS, ScenarioConfig, calibrated_cost_model, run_scenario, tenants_of
+from benchmarks.e2e import _print as print_scenario
+from kvtier.models import model_spec
+from kvtier.prefill import PrefillRunner
 
 
-def tier_roundtrip(workdir: Path, n_requests: int = 40, blocks_per_request: int = 64) -> dict[str, object]:
-    """n_requests chains of blocks through a store whose memory tier holds a quarter of them."""
-    deriver = DomainDeriver(b"mainjob-demo-secret-0123456789")
-    total = n_requests * blocks_per_request
-    mem = MemoryTier(total // 4 * LAYOUT.bytes_per_block, policy="prefix-aware")
-    disk = LmdbTier(workdir / "lmdb", 2 * total * (LAYOUT.bytes_per_block + 4096), policy="prefix-aware")
-    store = TieredStore([mem, disk])
-    chains, payloads = [], []
-    gen = torch.Generator().manual_seed(0)
-    t0 = time.perf_counter()
-    for r in range(n_requests):
-        scope = Scope.user(f"u{r % 4}")
-        tokens = torch.randint(0, 32000, (blocks_per_request * LAYOUT.block_tokens,), generator=gen).tolist()
-        chain = block_chain(LAYOUT, [Segment(tokens, scope)], deriver)
-        data = [torch.randn(LAYOUT.block_shape, generator=gen).to(torch.bfloat16) for _ in chain]
-        store.put([Block.build(LAYOUT, c.key, c.domain, d, parent=c.parent, index=c.index)
-                   for c, d in zip(chain, data, strict=True)])
-        chains.append(chain)
-        payloads.append(data)
-    t_put = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    mismatches = hit_blocks = 0
-    # Newest first: the most recent requests are still in memory, older ones come back from LMDB.
-    for chain, data in reversed(list(zip(chains, payloads, strict=True))):
-        keys = [c.key for c in chain]
-        got = store.get(keys, domains=[c.domain for c in chain])
-        hit_blocks += len(got)
-        store.record_request(len(keys) * LAYOUT.block_tokens, len(got) * LAYOUT.block_tokens)
-        mismatches += sum(not torch.equal(g.data, d) for g, d in zip(got, data, strict=False))
-    t_get = time.perf_counter() - t0
-    stats = store.stats()
-    store.close()
-    return {"blocks": total, "hit_blocks": hit_blocks, "mismatches": mismatches, "put_s": t_put, "get_s": t_get,
-            "bytes": total * LAYOUT.bytes_per_block, "stats": stats}
+def daemon_tier_rows(stats: Any) -> list[dict[str, Any]]:
+    return [{"tier": t.name, "hits": t.hits, "misses": t.misses, "MiB in": t.bytes_in / 2**20,
+             "MiB out": t.bytes_out / 2**20, "evictions": t.evictions} for t in stats.tiers]
+
+
+def scenario_through_daemon(workdir: Path) -> dict[str, Any]:
+    cfg = ScenarioConfig(model="small", doc_tokens=4000, question_tokens=100, tenants=2, repeats=2)
+    spec = model_spec(cfg.model)
+    progress(f"building the {cfg.model} model (random weights, {spec.dtype})")
+    runner = PrefillRunner(spec.build(cfg.seed), spec.layout())
+    runner.warmup()
+    with ExitStack() as stack:
+        source = TIER_SETUPS["daemon+s3"].open(stack, workdir, runner.layout, encrypt=True)
+        progress("start-up probe of the prefill and host copies (cost model)")
+        cm = calibrated_cost_model(runner, ["daemon"])
+        people = tenants_of(cfg.tenants)
+        for p in people:
+            source(p).store.cost_model = cm
+        result = run_scenario(source, cfg, runner=runner)
+        result["daemon_stats"] = source(people[0]).store.tiers[0].stats()
+    return result
 
 
 def main() -> int:
-    progress("stage 1: store and reload blocks through memory -> LMDB")
+    torch.set_num_threads(1)  # the daemon, SeaweedFS and the model share 2 cores; oversubscription hurts all
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvtier-run-") as td:
-        res = tier_roundtrip(Path(td))
-    stats = res["stats"]
-    print(f"\nStored {res['blocks']:,} blocks ({res['bytes'] / 2**20:,.0f} MiB) in {res['put_s']:.2f} s, "
-          f"reloaded {res['hit_blocks']:,} in {res['get_s']:.2f} s; byte mismatches: {res['mismatches']}")
-    rows = [{"tier": t["tier"], "hits": t["hits"], "misses": t["misses"], "MiB in": t["bytes_in"] / 2**20,
-             "MiB out": t["bytes_out"] / 2**20, "evictions": t["evictions"], "errors": sum(t["errors"].values())}
-            for t in stats["tiers"]]
-    print(table(rows, [("tier", "tier", ""), ("hits", "hits", ","), ("misses", "misses", ","),
-                       ("MiB in", "MiB in", ",.0f"), ("MiB out", "MiB out", ",.0f"),
-                       ("evictions", "evictions", ","), ("errors", "errors", ",")]))
-    print(f"token hit rate: {stats['requests']['token_hit_rate']:.4f}")
-    if res["mismatches"] or res["hit_blocks"] != res["blocks"]:
-        print("kvtier: error: reloaded blocks differ from what was stored", file=sys.stderr)
-        return 1
+        res = scenario_through_daemon(Path(td))
+    print("\n== Two tenants, one public manual, private questions: through the daemon (memory -> LMDB -> S3) ==")
+    print_scenario(res)
+    print("\nCost model decisions (predicted time to first token of each plan, ms):")
+    plans = sorted({p for r in res["requests"] for p in r["predicted_ms"]})
+    rows = [{"request": f"{r['phase']} {r['tenant']}", "chosen": r["plan"], "measured": r["ttft_ms"],
+             **{p: r["predicted_ms"].get(p) for p in plans}} for r in res["requests"]]
+    print(table(rows, [("request", "request", ""), ("chosen", "chosen", ""), ("measured", "measured ms", ".1f"),
+                       *((p, p, ".1f") for p in plans)]))
+    print("\nInside the daemon (per tier):")
+    print(table(daemon_tier_rows(res["daemon_stats"]),
+                [("tier", "tier", ""), ("hits", "hits", ","), ("misses", "misses", ","), ("MiB in", "MiB in", ",.1f"),
+                 ("MiB out", "MiB out", ",.1f"), ("evictions", "evictions", ",")]))
+    ok = bool(res["identical_outputs"]) and res["tokens_reused"] > 0
+    print(f"\nscenario: {time.perf_counter() - t0:.0f} s; outputs identical to recompute: {res['identical_outputs']}")
 
-    progress("stage 2: kvtier bench tiers --quick")
+    progress("kvtier bench tiers --quick")
     from kvtier.cli import main as cli_main
 
-    return cli_main(["bench", "tiers", "--quick", "--json", "out/bench_tiers_quick.json"])
+    rc = cli_main(["bench", "tiers", "--quick", "--json", "out/bench_tiers_quick.json"])
+    print(f"\nmain job: {time.perf_counter() - t0:.0f} s in all")
+    if not ok:
+        print("kvtier: error: the scenario's outputs differ from a recompute, or nothing was reused", file=sys.stderr)
+        return 1
+    return rc
 
 
 if __name__ == "__main__":
