@@ -35,6 +35,12 @@ class TierUsage:
     by_domain: dict[ScopeDomain, int]
 
 
+def batch_protected(blocks: Sequence[Block]) -> set[BlockKey]:
+    """Keys a put may not evict to make room for ``blocks``: the batch's own members, and the
+    parents they are about to hang from (evicting one would strand its new child)."""
+    return {b.key for b in blocks} | {b.meta.parent for b in blocks if b.meta.parent is not None}
+
+
 class PinTable:
     """Reference-counted pins shared by the tiers of one store.
 

@@ -22,7 +22,7 @@ from kvtier.errors import ConfigError, LayoutMismatch, TierUnavailable, Transfer
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.layout import DTYPES
-from kvtier.tier import PutResult, Tier, TierUsage
+from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
 from kvtier.transfer import (
     DONE,
     Completion,
@@ -139,7 +139,7 @@ class GpuTier(Tier):
     def put(self, blocks: Sequence[Block]) -> PutResult:
         t0 = time.perf_counter()
         res = PutResult()
-        batch = {b.key for b in blocks}
+        batch = batch_protected(blocks)
         placed: list[tuple[Block, int]] = []
         with self._lock:
             self._check_open()

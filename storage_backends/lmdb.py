@@ -19,7 +19,7 @@ from kvtier.errors import CorruptRecord, LayoutMismatch
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
-from kvtier.tier import PutResult, Tier, TierUsage
+from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
 
 _MIN_MAP = 64 << 20
 _MAX_SCRATCH = 64  # scratch record buffers kept between batches
@@ -162,8 +162,7 @@ class LmdbTier(Tier):
             records = [
                 (b, buf, codec.encode_into(b, buf, self.sealer)) for b, buf in zip(todo, self._scratch, strict=False)
             ]
-            # A batch never evicts its own members, nor the parents they are about to hang from.
-            batch = {b.key for b in todo} | {b.meta.parent for b in todo if b.meta.parent is not None}
+            batch = batch_protected(todo)
             added: list[tuple[Block, int]] = []
             victims: list[BlockKey] = []
             planned = self._used

@@ -15,7 +15,7 @@ from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import HostSlabPool
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.layout import DTYPES
-from kvtier.tier import PutResult, Tier, TierUsage
+from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
 
 
 class MemoryTier(Tier):
@@ -88,8 +88,7 @@ class MemoryTier(Tier):
         t0 = time.perf_counter()
         res = PutResult()
         stored_bytes = 0
-        # A batch never evicts its own members, nor the parents they are about to hang from.
-        batch = {b.key for b in blocks} | {b.meta.parent for b in blocks if b.meta.parent is not None}
+        batch = batch_protected(blocks)
         with self._lock:
             for b in blocks:
                 if b.key in self._blocks:

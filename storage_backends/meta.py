@@ -13,7 +13,7 @@ from kvtier.block import Block, BlockMeta
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.layout import DTYPES
-from kvtier.tier import PutResult, Tier, TierUsage
+from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
 
 
 class MetaTier(Tier):
@@ -87,7 +87,7 @@ class MetaTier(Tier):
         t0 = time.perf_counter()
         res = PutResult()
         stored_bytes = 0
-        batch = {b.key for b in blocks}
+        batch = batch_protected(blocks)
         with self._lock:
             for b in blocks:
                 if b.key in self._entries:
