@@ -382,8 +382,9 @@ def run(args: argparse.Namespace) -> int:
         source = TIER_SETUPS[args.tiers].open(stack, workdir, runner.layout, args.encrypt)
         if not args.no_cost_model:
             progress("start-up probe of the prefill and host copies (cost model)")
-            cm = calibrated_cost_model(runner, [args.tiers])
-            for p in tenants_of(cfg.tenants):
+            people = tenants_of(cfg.tenants)
+            cm = calibrated_cost_model(runner, [t.name for t in source(people[0]).store.tiers])
+            for p in people:
                 source(p).store.cost_model = cm
         result = run_scenario(source, cfg, runner=runner)
     result["tiers_setup"] = args.tiers + ("+encrypted" if args.encrypt else "")

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer and smaller batches (about a minute)")
     p.add_argument("--dir", metavar="DIR", help="directory for the LMDB/file baseline (default: a temp dir)")
     p.add_argument("--only", choices=["local", "s3", "crypto"], help="run one group of rows only")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for ours and the baselines alike (default 1: on a shared 2-core machine "
+                        "multi-threaded copies swing by 10x from run to run)")
 
 
 def make_blocks(n: int, layout: KVLayout = BENCH_LAYOUT, seed: int = 0) -> list[Block]:
@@ -158,6 +161,7 @@ COLUMNS = [("tier", "tier", ""), ("op", "op", ""), ("block_bytes", "block", ",")
 
 
 def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(dir=args.dir) as td:
         rows = collect(args.quick, Path(td), args.only)
     print(table(rows, COLUMNS))
