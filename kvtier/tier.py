@@ -41,6 +41,62 @@ def batch_protected(blocks: Sequence[Block]) -> set[BlockKey]:
     return {b.key for b in blocks} | {b.meta.parent for b in blocks if b.meta.parent is not None}
 
 
+class DomainIndex:
+    """Which keys a tier holds, the scope domain and byte size of each, and the totals.
+
+    Exactly the tier's stored keys; mutated only by the owning tier under its own lock (this
+    class takes none). Shared by the tiers that keep their index in memory, so per-domain usage,
+    listing and purge are computed one way everywhere.
+    """
+
+    __slots__ = ("_by_domain", "_domain_bytes", "_entries", "used")
+
+    def __init__(self) -> None:
+        self._entries: dict[BlockKey, tuple[ScopeDomain, int]] = {}
+        self._by_domain: dict[ScopeDomain, set[BlockKey]] = {}
+        self._domain_bytes: dict[ScopeDomain, int] = {}
+        self.used = 0
+
+    def add(self, key: BlockKey, domain: ScopeDomain, nbytes: int) -> None:
+        assert key not in self._entries, "a key is indexed once"
+        self._entries[key] = (domain, nbytes)
+        self._by_domain.setdefault(domain, set()).add(key)
+        self._domain_bytes[domain] = self._domain_bytes.get(domain, 0) + nbytes
+        self.used += nbytes
+
+    def drop(self, key: BlockKey) -> tuple[ScopeDomain, int]:
+        domain, nbytes = self._entries.pop(key)
+        keys = self._by_domain[domain]
+        keys.discard(key)
+        self._domain_bytes[domain] -= nbytes
+        if not keys:
+            del self._by_domain[domain]
+            del self._domain_bytes[domain]
+        self.used -= nbytes
+        return domain, nbytes
+
+    def size(self, key: BlockKey) -> int:
+        return self._entries[key][1]
+
+    def keys(self, domain: ScopeDomain) -> list[BlockKey]:
+        return list(self._by_domain.get(domain, ()))
+
+    def usage(self, capacity_bytes: int | None) -> TierUsage:
+        return TierUsage(len(self._entries), self.used, capacity_bytes, dict(self._domain_bytes))
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._by_domain.clear()
+        self._domain_bytes.clear()
+        self.used = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class PinTable:
     """Reference-counted pins shared by the tiers of one store.
 

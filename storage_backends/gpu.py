@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from kvtier.errors import ConfigError, LayoutMismatch, TierUnavailable, Transfer
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.layout import DTYPES
-from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
 from kvtier.transfer import (
     DONE,
     Completion,
@@ -52,7 +51,7 @@ class GpuTier(Tier):
     """Blocks in a device pool of ``n_slots`` slots of ``slot_bytes`` bytes, allocated once.
 
     Invariants (under ``_lock``): each stored key owns exactly one slot, and a slot is either
-    owned or in ``_free``, never both; ``_by_domain`` indexes exactly the stored keys; every
+    owned or in ``_free``, never both; ``_index`` indexes exactly the stored keys; every
     stored key is known to the eviction policy, which never yields a pinned key or one of the
     batch being put.
 
@@ -112,9 +111,7 @@ class GpuTier(Tier):
         self._pool: torch.Tensor | None = torch.empty((n_slots, slot_bytes), dtype=torch.uint8, device=self.device)
         self._free: list[int] = list(range(n_slots - 1, -1, -1))
         self._entries: dict[BlockKey, SlotEntry] = {}
-        self._by_domain: dict[ScopeDomain, set[BlockKey]] = defaultdict(set)
-        self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
-        self._used = 0
+        self._index = DomainIndex()
         self._last_write: Completion = DONE
         self._last_read: Completion = DONE
         self._lock = threading.RLock()
@@ -182,15 +179,15 @@ class GpuTier(Tier):
 
     def delete_scope(self, domain: ScopeDomain) -> int:
         with self._lock:
-            return self.delete(list(self._by_domain.get(domain, ())))
+            return self.delete(self._index.keys(domain))
 
     def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
         with self._lock:
-            return list(self._by_domain.get(domain, ()))
+            return self._index.keys(domain)
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._entries), self._used, self.capacity_bytes, dict(self._domain_bytes))
+            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:
@@ -201,10 +198,8 @@ class GpuTier(Tier):
             self._last_read.wait()
             self._pool = None
             self._entries.clear()
-            self._by_domain.clear()
-            self._domain_bytes.clear()
+            self._index.clear()
             self._free.clear()
-            self._used = 0
             if self._own_engine:
                 self.engine.close()
 
@@ -345,22 +340,13 @@ class GpuTier(Tier):
     def _insert(self, ent: SlotEntry) -> None:
         meta = ent.meta
         self._entries[meta.key] = ent
-        self._by_domain[meta.domain].add(meta.key)
-        self._domain_bytes[meta.domain] += meta.nbytes
-        self._used += meta.nbytes
+        self._index.add(meta.key, meta.domain, meta.nbytes)
         self.policy.insert(EntryInfo(meta.key, meta.parent, meta.index, meta.nbytes))
 
     def _drop(self, key: BlockKey) -> SlotEntry:
         """Forget ``key``'s entry (the policy already has, or is told by the caller)."""
         ent = self._entries.pop(key)
-        meta = ent.meta
-        keys = self._by_domain[meta.domain]
-        keys.discard(key)
-        self._domain_bytes[meta.domain] -= meta.nbytes
-        if not keys:
-            del self._by_domain[meta.domain]
-            del self._domain_bytes[meta.domain]
-        self._used -= meta.nbytes
+        self._index.drop(key)
         return ent
 
     def _release(self, key: BlockKey) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from kvtier.errors import CorruptRecord, LayoutMismatch
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
-from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
 
 _MIN_MAP = 64 << 20
 _MAX_SCRATCH = 64  # scratch record buffers kept between batches
@@ -31,7 +30,7 @@ class LmdbTier(Tier):
     One sub-database ``rec`` maps key -> record. Keys begin with their scope domain, so a scope
     is a contiguous key range (listing and purge are range scans, no side index). A batch put (with the
     evictions that make room for it) is one transaction: after a crash every record is whole or
-    absent. The in-memory index (``_index``: key -> (domain, bytes)) and the eviction policy are
+    absent. The in-memory index (``_index``: key -> domain and record bytes) and the eviction policy are
     rebuilt from record headers on open and mutated only under ``_lock`` after a commit.
     The map starts small and doubles on MapFullError; ``capacity_bytes`` bounds stored record bytes.
     """
@@ -69,9 +68,7 @@ class LmdbTier(Tier):
         )
         self._rec = self.env.open_db(b"rec")
         self._scratch: list[bytearray] = []
-        self._index: dict[BlockKey, tuple[ScopeDomain, int]] = {}
-        self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
-        self._used = 0
+        self._index = DomainIndex()
         self._rebuild()
 
     # -- open -------------------------------------------------------------------------------------
@@ -94,7 +91,7 @@ class LmdbTier(Tier):
             self._delete_txn(bad)
             self.metrics.error("corrupt", len(bad))
         for _, meta, size in sorted(entries, key=lambda e: e[0]):
-            self._index_add(meta.key, meta.domain, size)
+            self._index.add(meta.key, meta.domain, size)
             self.policy.insert(EntryInfo(meta.key, meta.parent, meta.index, size))
 
     # -- contract ---------------------------------------------------------------------------------
@@ -165,7 +162,7 @@ class LmdbTier(Tier):
             batch = batch_protected(todo)
             added: list[tuple[Block, int]] = []
             victims: list[BlockKey] = []
-            planned = self._used
+            planned = self._index.used
             for b, _, size in records:
                 if b.key in self._index:
                     res.present.append(b.key)
@@ -175,7 +172,7 @@ class LmdbTier(Tier):
                     if v is None:
                         break
                     victims.append(v)
-                    planned -= self._index[v][1]
+                    planned -= self._index.size(v)
                 if planned + size > self.capacity_bytes:
                     res.rejected.append(b.key)
                     continue
@@ -183,9 +180,9 @@ class LmdbTier(Tier):
                 added.append((b, size))
             spilled = self._commit(records, {b.key for b, _ in added}, victims)
             for v in victims:
-                self._index_drop(v)
+                self._index.drop(v)
             for b, size in added:
-                self._index_add(b.key, b.meta.domain, size)
+                self._index.add(b.key, b.meta.domain, size)
                 self.policy.insert(EntryInfo(b.key, b.meta.parent, b.meta.index, size))
                 res.stored.append(b.key)
             res.evicted = spilled
@@ -202,7 +199,7 @@ class LmdbTier(Tier):
                 self._delete_txn(present)
                 for k in present:
                     self.policy.remove(k)
-                    self._index_drop(k)
+                    self._index.drop(k)
             return len(present)
 
     def delete_scope(self, domain: ScopeDomain) -> int:
@@ -227,7 +224,7 @@ class LmdbTier(Tier):
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._index), self._used, self.capacity_bytes, dict(self._domain_bytes))
+            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:
@@ -269,16 +266,4 @@ class LmdbTier(Tier):
             for k in keys:
                 if k in self._index:
                     self.policy.remove(BlockKey(k))
-                    self._index_drop(BlockKey(k))
-
-    def _index_add(self, key: BlockKey, domain: ScopeDomain, size: int) -> None:
-        self._index[key] = (domain, size)
-        self._domain_bytes[domain] += size
-        self._used += size
-
-    def _index_drop(self, key: BlockKey) -> None:
-        domain, size = self._index.pop(key)
-        self._used -= size
-        self._domain_bytes[domain] -= size
-        if self._domain_bytes[domain] <= 0:
-            del self._domain_bytes[domain]
+                    self._index.drop(BlockKey(k))

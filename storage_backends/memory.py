@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -15,14 +14,14 @@ from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import HostSlabPool
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.layout import DTYPES
-from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
 
 
 class MemoryTier(Tier):
     """Blocks in host RAM, bounded by ``capacity_bytes``.
 
-    Invariants (all under ``_lock``): ``_used`` is the sum of stored payload bytes and never
-    exceeds the capacity; ``_by_domain`` indexes exactly the keys in ``_blocks``; every stored
+    Invariants (all under ``_lock``): ``_index.used`` is the sum of stored payload bytes and never
+    exceeds the capacity; ``_index`` indexes exactly the keys in ``_blocks``; every stored
     key is known to the eviction policy. Payloads live in slabs from the pool and are copied on
     the way in and out, so an eviction never changes bytes a caller holds.
     """
@@ -37,9 +36,7 @@ class MemoryTier(Tier):
         self.policy = make_policy(policy)
         self.pool = pool or HostSlabPool(max_free_bytes=min(capacity_bytes, 1 << 30))
         self._blocks: dict[BlockKey, tuple[BlockMeta, torch.Tensor]] = {}
-        self._by_domain: dict[ScopeDomain, set[BlockKey]] = defaultdict(set)
-        self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
-        self._used = 0
+        self._index = DomainIndex()
         self._lock = threading.RLock()
 
     # -- contract -------------------------------------------------------------------------------
@@ -102,9 +99,7 @@ class MemoryTier(Tier):
                 slab = self.pool.take(n)
                 slab.copy_(b.data.reshape(-1).view(torch.uint8))
                 self._blocks[b.key] = (b.meta, slab)
-                self._by_domain[b.meta.domain].add(b.key)
-                self._domain_bytes[b.meta.domain] += n
-                self._used += n
+                self._index.add(b.key, b.meta.domain, n)
                 self.policy.insert(EntryInfo(b.key, b.meta.parent, b.meta.index, n))
                 res.stored.append(b.key)
                 stored_bytes += n
@@ -124,39 +119,31 @@ class MemoryTier(Tier):
 
     def delete_scope(self, domain: ScopeDomain) -> int:
         with self._lock:
-            return self.delete(list(self._by_domain.get(domain, ())))
+            return self.delete(self._index.keys(domain))
 
     def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
         with self._lock:
-            return list(self._by_domain.get(domain, ()))
+            return self._index.keys(domain)
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._blocks), self._used, self.capacity_bytes, dict(self._domain_bytes))
+            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
-            self._by_domain.clear()
-            self._domain_bytes.clear()
-            self._used = 0
+            self._index.clear()
 
     # -- internals ------------------------------------------------------------------------------
     def _drop(self, key: BlockKey) -> tuple[BlockMeta, torch.Tensor]:
         meta, slab = self._blocks.pop(key)
-        keys = self._by_domain[meta.domain]
-        keys.discard(key)
-        self._domain_bytes[meta.domain] -= meta.nbytes
-        if not keys:
-            del self._by_domain[meta.domain]
-            del self._domain_bytes[meta.domain]
-        self._used -= meta.nbytes
+        self._index.drop(key)
         return meta, slab
 
     def _make_room(self, n: int, batch: set[BlockKey], res: PutResult) -> bool:
         if n > self.capacity_bytes:
             return False
-        while self._used + n > self.capacity_bytes:
+        while self._index.used + n > self.capacity_bytes:
             victim = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
             if victim is None:
                 return False

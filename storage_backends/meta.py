@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -13,7 +12,7 @@ from kvtier.block import Block, BlockMeta
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.layout import DTYPES
-from kvtier.tier import PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
 
 
 class MetaTier(Tier):
@@ -25,8 +24,8 @@ class MetaTier(Tier):
     payloads are copied in (``bytes``) and out (a fresh tensor), so callers never alias storage and
     every hit returns exactly the bytes that were put.
 
-    Invariants (all under ``_lock``): ``len(_entries) <= capacity_blocks`` and ``_used <=
-    capacity_bytes`` when set; ``_by_domain`` indexes exactly the keys of ``_entries``; every
+    Invariants (all under ``_lock``): ``len(_entries) <= capacity_blocks`` and ``_index.used <=
+    capacity_bytes`` when set; ``_index`` indexes exactly the keys of ``_entries``; every
     stored key is known to the eviction policy. ``name`` is per instance, so a replay can stand a
     MetaTier in for each level of a hierarchy (``memory``, ``lmdb``...).
     """
@@ -51,9 +50,7 @@ class MetaTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy)
         self._entries: dict[BlockKey, tuple[BlockMeta, bytes]] = {}
-        self._by_domain: dict[ScopeDomain, set[BlockKey]] = defaultdict(set)
-        self._domain_bytes: dict[ScopeDomain, int] = defaultdict(int)
-        self._used = 0
+        self._index = DomainIndex()
         self._lock = threading.RLock()
 
     # -- contract -------------------------------------------------------------------------------
@@ -99,9 +96,7 @@ class MetaTier(Tier):
                     res.rejected.append(b.key)
                     continue
                 self._entries[b.key] = (b.meta, _freeze(b))
-                self._by_domain[b.meta.domain].add(b.key)
-                self._domain_bytes[b.meta.domain] += n
-                self._used += n
+                self._index.add(b.key, b.meta.domain, n)
                 self.policy.insert(EntryInfo(b.key, b.meta.parent, b.meta.index, n))
                 res.stored.append(b.key)
                 stored_bytes += n
@@ -121,28 +116,26 @@ class MetaTier(Tier):
 
     def delete_scope(self, domain: ScopeDomain) -> int:
         with self._lock:
-            return self.delete(list(self._by_domain.get(domain, ())))
+            return self.delete(self._index.keys(domain))
 
     def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
         with self._lock:
-            return list(self._by_domain.get(domain, ()))
+            return self._index.keys(domain)
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._entries), self._used, self.capacity_bytes, dict(self._domain_bytes))
+            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._by_domain.clear()
-            self._domain_bytes.clear()
-            self._used = 0
+            self._index.clear()
 
     # -- internals ------------------------------------------------------------------------------
     def _full(self, n: int) -> bool:
         if self.capacity_blocks is not None and len(self._entries) >= self.capacity_blocks:
             return True
-        return self.capacity_bytes is not None and self._used + n > self.capacity_bytes
+        return self.capacity_bytes is not None and self._index.used + n > self.capacity_bytes
 
     def _make_room(self, n: int, batch: set[BlockKey], res: PutResult) -> bool:
         if self.capacity_bytes is not None and n > self.capacity_bytes:
@@ -159,13 +152,7 @@ class MetaTier(Tier):
 
     def _drop(self, key: BlockKey) -> tuple[BlockMeta, bytes]:
         meta, raw = self._entries.pop(key)
-        keys = self._by_domain[meta.domain]
-        keys.discard(key)
-        self._domain_bytes[meta.domain] -= len(raw)
-        if not keys:
-            del self._by_domain[meta.domain]
-            del self._domain_bytes[meta.domain]
-        self._used -= len(raw)
+        self._index.drop(key)
         return meta, raw
 
 
