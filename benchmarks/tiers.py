@@ -139,7 +139,7 @@ def _optional_rows(module: str, func: str, quick: bool) -> list[dict]:
 
 
 def collect(quick: bool, directory: Path, only: str | None = None) -> list[dict[str, Any]]:
-    n_blocks, reps, batch = (32, 3, 16) if quick else (128, 5, 16)
+    n_blocks, reps, batch = (48, 5, 16) if quick else (128, 5, 16)
     rows: list[dict[str, Any]] = []
     if only in (None, "local"):
         blocks = make_blocks(n_blocks)
