@@ -130,7 +130,8 @@ def test_batch_never_evicts_the_parent_it_extends(kind, tmp_path):
     a = chain_blocks(3)
     other = chain_blocks(1, token_base=7000)
     cap = 2 * (BPB if kind == "memory" else REC + 64)
-    tier = MemoryTier(cap, policy="prefix-aware") if kind == "memory" else LmdbTier(tmp_path, cap, policy="prefix-aware")
+    tier = (MemoryTier(cap, policy="prefix-aware") if kind == "memory"
+            else LmdbTier(tmp_path, cap, policy="prefix-aware"))
     tier.put([a[0]])
     tier.put(other)
     # Full. a[0] is the oldest leaf, but a[1] is about to hang from it: `other` must go instead.
