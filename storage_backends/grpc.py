@@ -46,7 +46,7 @@ from kvtier.layout import DTYPES
 from kvtier.server import kvtier_pb2 as pb
 from kvtier.server import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.service import SERVICE_NAME
-from kvtier.server.wire import BlockAssembler, ChunkFrame, block_chunks, decode_frame, encode_frame
+from kvtier.server.wire import BlockAssembler, ChunkFrame, decode_frame, encode_frame, pack_blocks
 from kvtier.tier import PutResult, Tier, TierUsage
 
 #: Status code -> the kvtier exception it stands for.
@@ -281,10 +281,9 @@ class GrpcTier(Tier):
         stream = self._get(pb.GetRequest(keys=list(keys), mode=mode), timeout=self.config.timeout_s,
                            metadata=self._metadata())
         try:
-            for chunk in stream:
-                done = asm.feed(chunk)
-                if done is not None:
-                    out[done[0]] = done[1]
+            for msg in stream:
+                for pos, blk in asm.feed_message(msg):
+                    out[pos] = blk
         except grpc.RpcError as exc:
             err = error_from(exc)
             if not self._degrade(err):
@@ -327,10 +326,10 @@ class GrpcTier(Tier):
         return res
 
     def _chunks(self, blocks: Sequence[Block]) -> Iterator[ChunkFrame]:
-        for i, b in enumerate(blocks):
-            # Payloads are read while streaming; Block guarantees a contiguous CPU-side view.
-            src = b if b.data.device.type == "cpu" else Block(b.meta, b.data.cpu())
-            yield from block_chunks(src, self.config.chunk_bytes, i)
+        # Payloads are read while streaming; Block guarantees a contiguous CPU-side view.
+        cpu = ((i, b if b.data.device.type == "cpu" else Block(b.meta, b.data.cpu())) for i, b in enumerate(blocks))
+        for msg, _done in pack_blocks(cpu, self.config.chunk_bytes):
+            yield msg
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         if not keys:

@@ -39,11 +39,11 @@ from kvtier.server.observability import ServerMetrics
 from kvtier.server.wire import (
     BlockAssembler,
     ChunkFrame,
-    block_chunks,
     check_domain,
     check_keys,
     decode_frame,
     encode_frame,
+    pack_blocks,
 )
 from kvtier.store import Lookup, TieredStore, TierRun
 from kvtier.tenancy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
@@ -239,10 +239,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         total = sum(b.nbytes for _, b in blocks)
         lease.reserve(total)
         try:
-            for pos, blk in blocks:
-                yield from block_chunks(blk, self.limits.chunk_bytes, pos)
-                lease.release(blk.nbytes)
-                total -= blk.nbytes
+            # A block's bytes stay reserved until the message that completes it has been handed on.
+            for msg, done in pack_blocks(blocks, self.limits.chunk_bytes):
+                yield msg
+                lease.release(done)
+                total -= done
         finally:
             lease.release(total)
 
@@ -269,11 +270,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         batch: list[Block] = []
         batch_bytes = 0
         seen: set[BlockKey] = set()
-        for chunk in requests:
-            done = asm.feed(chunk)
-            if done is None:
-                continue
-            blk = done[1]
+        for _pos, blk in (done for msg in requests for done in asm.feed_message(msg)):
             if blk.key in seen:
                 out.present.append(blk.key)
                 lease.release(blk.nbytes)

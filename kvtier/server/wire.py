@@ -4,12 +4,14 @@ Shared by the daemon (Put in, Get out) and the client tier (Put out, Get in), so
 the same rules: the first chunk of a block carries its metadata, offsets are contiguous from 0,
 the last chunk carries the xxh3-64 of the whole payload, and a block is handed on only after its
 size, shape and checksum all verified. Any violation is InvalidRequest (never a partial block).
+Small whole blocks may share one message (``BlockChunk.more``, see ``pack_blocks``); the chunk
+sequence a receiver checks is the same either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -77,12 +79,16 @@ def payload_view(block: Block) -> memoryview:
 # BlockChunk straight from a block's memory and decode one into a view of the received buffer.
 # The bytes are exactly protobuf's (fields in number order, proto3 defaults omitted), so any
 # protobuf client or server interoperates; tests/unit/test_server_wire.py checks both directions.
-_T_POSITION, _T_META, _T_OFFSET, _T_DATA, _T_LAST, _T_CHECKSUM = 0x08, 0x12, 0x18, 0x22, 0x28, 0x30
+_T_POSITION, _T_META, _T_OFFSET, _T_DATA, _T_LAST, _T_CHECKSUM, _T_MORE = 0x08, 0x12, 0x18, 0x22, 0x28, 0x30, 0x3A
+#: Upper bound of a chunk's encoded bytes besides its payload and meta (tags, varints, the ``more``
+#: entry that wraps it): what ``pack_blocks`` adds per chunk when it fills a message.
+FRAME_OVERHEAD = 64
 
 
 @dataclass(slots=True)
 class ChunkFrame:
-    """One BlockChunk with its payload as a view (no copy): what Get sends and Put receives."""
+    """One BlockChunk with its payload as a view (no copy): what Get sends and Put receives.
+    ``more``: further whole-block chunks sharing the message (never nested: theirs is empty)."""
 
     position: int
     meta: pb.BlockMeta | None
@@ -90,6 +96,7 @@ class ChunkFrame:
     data: memoryview | bytes
     last: bool
     checksum: int
+    more: list[ChunkFrame] = field(default_factory=list)
 
 
 def _varint(n: int) -> bytes:
@@ -105,9 +112,22 @@ def _varint(n: int) -> bytes:
 
 
 def encode_frame(f: ChunkFrame | pb.BlockChunk) -> bytes:
-    """Serialize a frame (or a protobuf BlockChunk) with a single copy of its payload."""
+    """Serialize a frame (or a protobuf BlockChunk) with a single copy of its payload (and of
+    the payloads in its ``more``)."""
     if isinstance(f, pb.BlockChunk):
         return f.SerializeToString()
+    parts, _ = _frame_parts(f)
+    for m in f.more:
+        if m.more:
+            raise ValueError("a chunk inside `more` cannot carry `more` itself")
+        inner, n = _frame_parts(m)
+        parts.append(bytes([_T_MORE]) + _varint(n))
+        parts += inner
+    return b"".join(parts)
+
+
+def _frame_parts(f: ChunkFrame) -> tuple[list[bytes | bytearray | memoryview], int]:
+    """A frame's own fields (``more`` aside) as pieces to join, and their total length."""
     head = bytearray()
     if f.position:
         head += bytes([_T_POSITION]) + _varint(f.position)
@@ -122,9 +142,9 @@ def encode_frame(f: ChunkFrame | pb.BlockChunk) -> bytes:
     if f.checksum:
         tail += bytes([_T_CHECKSUM]) + _varint(f.checksum)
     if not len(f.data):
-        return bytes(head + tail)
+        return [head + tail], len(head) + len(tail)
     head += bytes([_T_DATA]) + _varint(len(f.data))
-    return b"".join((head, f.data, tail))
+    return [head, f.data, tail], len(head) + len(f.data) + len(tail)
 
 
 def _read_varint(mv: memoryview, i: int) -> tuple[int, int]:
@@ -142,8 +162,12 @@ def _read_varint(mv: memoryview, i: int) -> tuple[int, int]:
 
 def decode_frame(raw: bytes) -> ChunkFrame:
     """Parse a BlockChunk; ``data`` is a view into ``raw``. Unknown fields are skipped, as protobuf
-    does; malformed bytes raise ValueError (the server turns that into INVALID_ARGUMENT)."""
-    mv = memoryview(raw)
+    does; malformed bytes (or a ``more`` chunk with its own ``more``) raise ValueError (the server
+    turns that into INVALID_ARGUMENT)."""
+    return _decode(memoryview(raw), nested=False)
+
+
+def _decode(mv: memoryview, *, nested: bool) -> ChunkFrame:
     f = ChunkFrame(0, None, 0, b"", False, 0)
     i = 0
     while i < len(mv):
@@ -167,6 +191,10 @@ def decode_frame(raw: bytes) -> ChunkFrame:
                 f.meta = pb.BlockMeta.FromString(mv[i : i + n].tobytes())
             elif tag == _T_DATA:
                 f.data = mv[i : i + n]
+            elif tag == _T_MORE:
+                if nested:
+                    raise ValueError("a chunk inside `more` cannot carry `more` itself")
+                f.more.append(_decode(mv[i : i + n], nested=True))
             i += n
         elif wire == 1:
             i += 8
@@ -194,6 +222,41 @@ def block_chunks(block: Block, chunk_bytes: int, position: int = 0) -> Iterator[
         if last:
             return
         off = end
+
+
+def pack_blocks(blocks: Iterable[tuple[int, Block]], chunk_bytes: int) -> Iterator[tuple[ChunkFrame, int]]:
+    """The messages that carry ``blocks`` (``(position, block)``, in order), each with the payload
+    bytes of the blocks it completes (for releasing their budget once it is sent).
+
+    A block of more than ``chunk_bytes`` travels as its ``block_chunks``, one per message, as ever;
+    smaller blocks are whole single chunks, and consecutive ones share a message (the first, then
+    the rest in ``more``) while their encoded size stays within ``chunk_bytes``: per-message costs
+    dominate small blocks. Blocks keep their order, so a receiver meets the same chunk sequence.
+    """
+    head: ChunkFrame | None = None
+    size = done = 0
+    for pos, blk in blocks:
+        for f in block_chunks(blk, chunk_bytes, pos):
+            whole = f.meta is not None and f.last
+            n = len(f.data) + (f.meta.ByteSize() if f.meta is not None else 0) + FRAME_OVERHEAD
+            if head is not None and (not whole or size + n > chunk_bytes):
+                yield head, done
+                head, size, done = None, 0, 0
+            if not whole:
+                yield f, blk.nbytes if f.last else 0
+            elif head is None:
+                head, size, done = f, n, blk.nbytes
+            else:
+                head.more.append(f)
+                size += n
+                done += blk.nbytes
+    if head is not None:
+        yield head, done
+
+
+def message_chunks(msg: ChunkFrame | pb.BlockChunk) -> list[ChunkFrame | pb.BlockChunk]:
+    """The chunks one received message carries, in order: itself, then those in ``more``."""
+    return [msg, *msg.more] if len(msg.more) else [msg]
 
 
 def as_message(f: ChunkFrame) -> pb.BlockChunk:
@@ -239,8 +302,24 @@ class BlockAssembler:
     def open_position(self) -> int:
         return self._position
 
+    def feed_message(self, msg: ChunkFrame | pb.BlockChunk) -> Iterator[tuple[int, Block]]:
+        """Take one received message, its chunks in order; yields each block it completes as soon
+        as it is verified (so a bad block later in the message leaves the earlier ones usable)."""
+        for i, chunk in enumerate(message_chunks(msg)):
+            got = self._feed(chunk, inner=i > 0)
+            if got is not None:
+                yield got
+
     def feed(self, chunk: ChunkFrame | pb.BlockChunk) -> tuple[int, Block] | None:
-        """Take one chunk; returns ``(position, block)`` when it completes a block."""
+        """Take one chunk that carries no ``more`` (``feed_message`` takes those); returns
+        ``(position, block)`` when it completes a block."""
+        if len(chunk.more):
+            raise InvalidRequest("a chunk with `more` must be fed with feed_message")
+        return self._feed(chunk, inner=False)
+
+    def _feed(self, chunk: ChunkFrame | pb.BlockChunk, *, inner: bool) -> tuple[int, Block] | None:
+        if inner and (len(chunk.more) or self._meta is not None or not chunk.last):
+            raise InvalidRequest("a chunk inside `more` must be a whole block (meta, last, no `more`)")
         has_meta = chunk.meta is not None if isinstance(chunk, ChunkFrame) else chunk.HasField("meta")
         if self._meta is None:
             if not has_meta:

@@ -21,6 +21,7 @@ from kvtier.server.wire import (
     encode_frame,
     meta_from_msg,
     meta_to_msg,
+    pack_blocks,
 )
 from tests.helpers import SMALL, chain_blocks, same_bytes
 
@@ -50,7 +51,7 @@ def test_frame_codec_is_protobuf(position, offset, data, last, checksum, with_me
 
 def test_decode_skips_unknown_fields_and_refuses_garbage() -> None:
     msg = pb.BlockChunk(position=2, data=b"xyz", last=True)
-    extra = msg.SerializeToString() + bytes([0x38, 0x05]) + bytes([0x42, 0x02]) + b"ab"  # fields 7 and 8
+    extra = msg.SerializeToString() + bytes([0x40, 0x05]) + bytes([0x4A, 0x02]) + b"ab"  # fields 8 and 9
     f = decode_frame(extra)
     assert (f.position, bytes(f.data), f.last) == (2, b"xyz", True)
     for bad in (b"\x22\x10abc", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x0b"):
@@ -140,3 +141,49 @@ def test_key_and_domain_checks() -> None:
         check_keys([keys[0], b"short"], 5)
     with pytest.raises(InvalidRequest, match="domain must be 16 bytes"):
         check_domain(b"x" * 15)
+
+
+@pytest.mark.parametrize("chunk", [100, BPB, 3 * BPB + 200, 64 * BPB])
+def test_packed_blocks_are_protobuf_and_reassemble(chunk: int) -> None:
+    blocks = chain_blocks(7)
+    msgs = list(pack_blocks(enumerate(blocks), chunk))
+    per_msg = max(1, chunk // (BPB + 200)) if chunk >= BPB else 1
+    assert sum(done for _, done in msgs) == 7 * BPB
+    assert len(msgs) == (-(-7 // per_msg) if chunk >= BPB else 7 * -(-BPB // chunk))
+    asm, asm_pb, out, out_pb = BlockAssembler(empty), BlockAssembler(empty), [], []
+    for m, _ in msgs:
+        raw = encode_frame(m)
+        assert raw == as_message(m).SerializeToString() and len(as_message(m).more) == len(m.more)
+        out += asm.feed_message(decode_frame(raw))
+        out_pb += asm_pb.feed_message(pb.BlockChunk.FromString(raw))
+    for got in (out, out_pb):
+        assert [p for p, _ in got] == list(range(7))
+        assert all(same_bytes(g, b) for (_, g), b in zip(got, blocks, strict=True))
+
+
+def test_more_carries_only_whole_blocks() -> None:
+    whole = [f for b in chain_blocks(2) for f in block_chunks(b, BPB, 0)]
+    halves = list(block_chunks(chain_blocks(1)[0], BPB // 2, 0))
+    for head, more in [(halves[0], [halves[1]]), (whole[0], [halves[0]]), (halves[0], [whole[1]])]:
+        msg = decode_frame(encode_frame(ChunkFrame(head.position, head.meta, head.offset, head.data, head.last,
+                                                   head.checksum, list(more))))
+        with pytest.raises(InvalidRequest):
+            list(BlockAssembler(empty).feed_message(msg))
+    with pytest.raises(InvalidRequest):  # feed takes one chunk, never a whole message's worth
+        BlockAssembler(empty).feed(ChunkFrame(0, whole[0].meta, 0, whole[0].data, True, whole[0].checksum,
+                                              [whole[1]]))
+    nested = pb.BlockChunk(more=[pb.BlockChunk(more=[pb.BlockChunk(last=True)])]).SerializeToString()
+    with pytest.raises(ValueError):
+        decode_frame(nested)
+
+
+def test_blocks_before_a_bad_one_in_the_same_message_are_kept() -> None:
+    blocks = chain_blocks(3)
+    [(msg, _)] = list(pack_blocks(enumerate(blocks), 64 * BPB))
+    assert len(msg.more) == 2
+    msg.more[1].checksum ^= 1
+    got = []
+    with pytest.raises(InvalidRequest, match="checksum"):
+        for done in BlockAssembler(empty).feed_message(decode_frame(encode_frame(msg))):
+            got.append(done)
+    assert [p for p, _ in got] == [0, 1] and all(same_bytes(g, b) for (_, g), b in zip(got, blocks, strict=False))
