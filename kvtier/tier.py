@@ -195,3 +195,34 @@ class Tier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class IndexedTier(Tier):
+    """A tier whose stored keys live in an in-memory DomainIndex (``_index``) guarded by ``_lock``.
+
+    Subclasses set ``_index``, ``_lock`` and ``capacity_bytes`` and keep ``_index`` equal to the
+    set of stored keys; prefix probes, listing, scope deletion and usage then follow from it.
+    """
+
+    _index: DomainIndex
+    _lock: threading.RLock
+    capacity_bytes: int | None
+
+    def contains(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            for i, k in enumerate(keys):
+                if k not in self._index:
+                    return i
+            return len(keys)
+
+    def delete_scope(self, domain: ScopeDomain) -> int:
+        with self._lock:
+            return self.delete(self._index.keys(domain))
+
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
+        with self._lock:
+            return self._index.keys(domain)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return self._index.usage(self.capacity_bytes)

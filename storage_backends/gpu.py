@@ -19,9 +19,9 @@ import torch
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import ConfigError, LayoutMismatch, TierUnavailable, TransferError
 from kvtier.eviction import EntryInfo, make_policy
-from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
-from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
 from kvtier.transfer import (
     DONE,
     Completion,
@@ -47,7 +47,7 @@ class SlotEntry:
     slot: int
 
 
-class GpuTier(Tier):
+class GpuTier(IndexedTier):
     """Blocks in a device pool of ``n_slots`` slots of ``slot_bytes`` bytes, allocated once.
 
     Invariants (under ``_lock``): each stored key owns exactly one slot, and a slot is either
@@ -176,18 +176,6 @@ class GpuTier(Tier):
                     self._release(k)
                     n += 1
         return n
-
-    def delete_scope(self, domain: ScopeDomain) -> int:
-        with self._lock:
-            return self.delete(self._index.keys(domain))
-
-    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
-        with self._lock:
-            return self._index.keys(domain)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:

@@ -18,13 +18,13 @@ from kvtier.errors import CorruptRecord, LayoutMismatch
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
-from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
 
 _MIN_MAP = 64 << 20
 _MAX_SCRATCH = 64  # scratch record buffers kept between batches
 
 
-class LmdbTier(Tier):
+class LmdbTier(IndexedTier):
     """Blocks as self-describing records in an LMDB environment.
 
     One sub-database ``rec`` maps key -> record. Keys begin with their scope domain, so a scope
@@ -95,13 +95,6 @@ class LmdbTier(Tier):
             self.policy.insert(EntryInfo(meta.key, meta.parent, meta.index, size))
 
     # -- contract ---------------------------------------------------------------------------------
-    def contains(self, keys: Sequence[BlockKey]) -> int:
-        with self._lock:
-            for i, k in enumerate(keys):
-                if k not in self._index:
-                    return i
-            return len(keys)
-
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         return self._read(keys, None)
 
@@ -221,10 +214,6 @@ class LmdbTier(Tier):
     def record_count(self) -> int:
         with self.env.begin(db=self._rec) as txn:
             return txn.stat(self._rec)["entries"]
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:

@@ -12,12 +12,12 @@ from kvtier.block import Block, BlockMeta
 from kvtier.errors import LayoutMismatch
 from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import HostSlabPool
-from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
-from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
 
 
-class MemoryTier(Tier):
+class MemoryTier(IndexedTier):
     """Blocks in host RAM, bounded by ``capacity_bytes``.
 
     Invariants (all under ``_lock``): ``_index.used`` is the sum of stored payload bytes and never
@@ -40,13 +40,6 @@ class MemoryTier(Tier):
         self._lock = threading.RLock()
 
     # -- contract -------------------------------------------------------------------------------
-    def contains(self, keys: Sequence[BlockKey]) -> int:
-        with self._lock:
-            for i, k in enumerate(keys):
-                if k not in self._blocks:
-                    return i
-            return len(keys)
-
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         return self._read(keys, None)
 
@@ -116,18 +109,6 @@ class MemoryTier(Tier):
                     self.pool.release(self._drop(k)[1])
                     n += 1
         return n
-
-    def delete_scope(self, domain: ScopeDomain) -> int:
-        with self._lock:
-            return self.delete(self._index.keys(domain))
-
-    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
-        with self._lock:
-            return self._index.keys(domain)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:

@@ -10,12 +10,12 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.eviction import EntryInfo, make_policy
-from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
-from kvtier.tier import DomainIndex, PutResult, Tier, TierUsage, batch_protected
+from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
 
 
-class MetaTier(Tier):
+class MetaTier(IndexedTier):
     """Blocks kept as (metadata, immutable payload bytes), bounded by a block count and/or bytes.
 
     Meant for trace replay with tiny payloads (a few bytes per token): capacity is stated in
@@ -54,13 +54,6 @@ class MetaTier(Tier):
         self._lock = threading.RLock()
 
     # -- contract -------------------------------------------------------------------------------
-    def contains(self, keys: Sequence[BlockKey]) -> int:
-        with self._lock:
-            for i, k in enumerate(keys):
-                if k not in self._entries:
-                    return i
-            return len(keys)
-
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         t0 = time.perf_counter()
         out: list[Block | None] = []
@@ -113,18 +106,6 @@ class MetaTier(Tier):
                     self._drop(k)
                     n += 1
         return n
-
-    def delete_scope(self, domain: ScopeDomain) -> int:
-        with self._lock:
-            return self.delete(self._index.keys(domain))
-
-    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
-        with self._lock:
-            return self._index.keys(domain)
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return self._index.usage(self.capacity_bytes)
 
     def close(self) -> None:
         with self._lock:
