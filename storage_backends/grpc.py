@@ -46,7 +46,7 @@ from kvtier.layout import DTYPES
 from kvtier.server import kvtier_pb2 as pb
 from kvtier.server import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.service import SERVICE_NAME
-from kvtier.server.wire import BlockAssembler, ChunkFrame, decode_frame, encode_frame, pack_blocks
+from kvtier.server.wire import BlockAssembler, ChunkFrame, ResponseSlots, decode_frame, encode_frame, pack_blocks
 from kvtier.tier import PutResult, Tier, TierUsage
 
 #: Status code -> the kvtier exception it stands for.
@@ -271,13 +271,11 @@ class GrpcTier(Tier):
         t0 = time.perf_counter()
 
         def allocate(pos: int, meta: BlockMeta) -> torch.Tensor:
-            if not 0 <= pos < len(keys) or meta.key != keys[pos] or out[pos] is not None:
-                raise InvalidRequest(f"daemon sent block for position {pos} that was not asked for")
             if outs is not None:
                 return outs[pos]  # the assembler checks dtype/shape and raises LayoutMismatch
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
 
-        asm = BlockAssembler(allocate)
+        asm = BlockAssembler(allocate, ResponseSlots(keys).place)
         stream = self._get(pb.GetRequest(keys=list(keys), mode=mode), timeout=self.config.timeout_s,
                            metadata=self._metadata())
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,6 +25,9 @@ class MemoryTier(IndexedTier):
     exceeds the capacity; ``_index`` indexes exactly the keys in ``_blocks``; every stored
     key is known to the eviction policy. Payloads live in slabs from the pool and are copied on
     the way in and out, so an eviction never changes bytes a caller holds.
+
+    How a payload is held is four small hooks (``_keep``, ``_copy_out``, ``_evicted_block``,
+    ``_discard``); a subclass may hold it another way (``FrameMemoryTier``: ready-to-send frames).
     """
 
     name = "memory"
@@ -35,7 +39,7 @@ class MemoryTier(IndexedTier):
         self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy)
         self.pool = pool or HostSlabPool(max_free_bytes=min(capacity_bytes, 1 << 30))
-        self._blocks: dict[BlockKey, tuple[BlockMeta, torch.Tensor]] = {}
+        self._blocks: dict[BlockKey, tuple[BlockMeta, Any]] = {}
         self._index = DomainIndex()
         self._lock = threading.RLock()
 
@@ -57,14 +61,14 @@ class MemoryTier(IndexedTier):
                 if ent is None:
                     out.append(None)
                     continue
-                meta, slab = ent
+                meta, held = ent
                 if outs is None:
                     data = torch.empty(meta.shape, dtype=slab_dtype(meta))
                 else:
                     data = outs[i]
                     if data.dtype != slab_dtype(meta) or tuple(data.shape) != meta.shape or not data.is_contiguous():
                         raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
-                data.view(torch.uint8).reshape(-1).copy_(slab)
+                self._copy_out(held, data.view(torch.uint8).reshape(-1))
                 self.policy.touch(k)
                 out.append(Block(meta, data))
                 hits += 1
@@ -89,9 +93,7 @@ class MemoryTier(IndexedTier):
                 if not self._make_room(n, batch, res):
                     res.rejected.append(b.key)
                     continue
-                slab = self.pool.take(n)
-                slab.copy_(b.data.reshape(-1).view(torch.uint8))
-                self._blocks[b.key] = (b.meta, slab)
+                self._blocks[b.key] = (b.meta, self._keep(b))
                 self._index.add(b.key, b.meta.domain, n)
                 self.policy.insert(EntryInfo(b.key, b.meta.parent, b.meta.index, n))
                 res.stored.append(b.key)
@@ -106,7 +108,7 @@ class MemoryTier(IndexedTier):
             for k in keys:
                 if k in self._blocks:
                     self.policy.remove(k)
-                    self.pool.release(self._drop(k)[1])
+                    self._discard(self._drop(k)[1])
                     n += 1
         return n
 
@@ -115,11 +117,28 @@ class MemoryTier(IndexedTier):
             self._blocks.clear()
             self._index.clear()
 
+    # -- how a payload is held (a subclass may hold it another way) -------------------------------
+    def _keep(self, block: Block) -> Any:
+        slab = self.pool.take(block.nbytes)
+        slab.copy_(block.data.reshape(-1).view(torch.uint8))
+        return slab
+
+    def _copy_out(self, held: Any, dest: torch.Tensor) -> None:
+        """Copy a held payload into ``dest`` (flat uint8 of the payload's size)."""
+        dest.copy_(held)
+
+    def _evicted_block(self, meta: BlockMeta, held: Any) -> Block:
+        """An evicted payload as a Block to spill down (it is no longer this tier's)."""
+        return Block(meta, held.view(slab_dtype(meta)).reshape(meta.shape))
+
+    def _discard(self, held: Any) -> None:
+        self.pool.release(held)
+
     # -- internals ------------------------------------------------------------------------------
-    def _drop(self, key: BlockKey) -> tuple[BlockMeta, torch.Tensor]:
-        meta, slab = self._blocks.pop(key)
+    def _drop(self, key: BlockKey) -> tuple[BlockMeta, Any]:
+        meta, held = self._blocks.pop(key)
         self._index.drop(key)
-        return meta, slab
+        return meta, held
 
     def _make_room(self, n: int, batch: set[BlockKey], res: PutResult) -> bool:
         if n > self.capacity_bytes:
@@ -128,12 +147,12 @@ class MemoryTier(IndexedTier):
             victim = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
             if victim is None:
                 return False
-            meta, slab = self._drop(victim)
+            meta, held = self._drop(victim)
             self.metrics.evicted()
             if self.spill_evicted:
-                res.evicted.append(Block(meta, slab.view(slab_dtype(meta)).reshape(meta.shape)))
+                res.evicted.append(self._evicted_block(meta, held))
             else:
-                self.pool.release(slab)
+                self._discard(held)
         return True
 
 

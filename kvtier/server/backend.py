@@ -31,8 +31,8 @@ from kvtier.server.service import PurgeOutcome
 from kvtier.store import TieredStore
 from kvtier.tenancy import Policy, Principal
 from kvtier.tier import Tier
+from storage_backends.frame_memory import FrameMemoryTier
 from storage_backends.lmdb import LmdbTier
-from storage_backends.memory import MemoryTier
 from storage_backends.s3 import S3Config, S3Tier
 from storage_backends.s3_keys import S3WrappedKeyStore
 
@@ -111,7 +111,8 @@ class Backend:
         remote: S3Tier | None = None
         try:
             if tiers.memory is not None:
-                local.append(MemoryTier(tiers.memory.capacity_bytes, policy=tiers.memory.policy))
+                # Frames, not slabs: the daemon's RAM tier only ever feeds gRPC streams.
+                local.append(FrameMemoryTier(tiers.memory.capacity_bytes, policy=tiers.memory.policy))
             if tiers.disk is not None:
                 d = tiers.disk
                 local.append(LmdbTier(d.path, d.capacity_bytes, policy=d.policy, sync=d.sync,

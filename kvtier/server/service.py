@@ -39,11 +39,13 @@ from kvtier.server.observability import ServerMetrics
 from kvtier.server.wire import (
     BlockAssembler,
     ChunkFrame,
+    FrameSource,
+    WireFrame,
     check_domain,
     check_keys,
     decode_frame,
     encode_frame,
-    pack_blocks,
+    pack_items,
 )
 from kvtier.store import Lookup, TieredStore, TierRun
 from kvtier.tenancy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
@@ -135,6 +137,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     touched for a key outside the caller's domains; a Get stream pins every block it will send
     until the stream ends (however it ends), and every payload byte it or a Put buffers is held
     on the call's lease. The service keeps no per-client state between calls.
+    When the fastest tier is a FrameSource, Get sends its blocks as the frames it holds (no copy,
+    no hash per call); blocks from the other tiers are read, promoted and encoded as before.
     """
 
     def __init__(self, parts: ServiceParts) -> None:
@@ -144,6 +148,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         self.limits = parts.limits
         self._local = list(parts.local_tiers)
         self._local_names = {t.name for t in self._local}
+        first = self.store.tiers[0]
+        self._hot: FrameSource | None = first if isinstance(first, FrameSource) else None
 
     # -- access -----------------------------------------------------------------------------------
     def _domains(self, p: Principal) -> dict[ScopeDomain, Scope]:
@@ -189,7 +195,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         else:
             raise InvalidRequest(f"unknown get mode {request.mode}")
 
-    def _get_prefix(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame]:
+    def _get_prefix(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame | bytes]:
         n = self._usable(keys, self._domains(call.principal))
         lk = self.store.lookup(keys[:n])
         want = keys[: lk.length]
@@ -201,12 +207,23 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 call.check_deadline()
                 b = min(a + step, len(want))
                 part = want[a:b]
-                blocks = self.store.get(part, domains=[key_domain(k) for k in part], lookup=_slice(lk, a, b))
-                yield from self._send(call, [(a + i, blk) for i, blk in enumerate(blocks)])
-                if len(blocks) < len(part):
+                sl = _slice(lk, a, b)
+                items: list[tuple[int, Block | WireFrame]] = []
+                if self._hot is not None and sl.runs and sl.runs[0].level == 0 and sl.runs[0].start == 0:
+                    for i, fr in enumerate(self._hot.frames(part[: sl.runs[0].count])):
+                        if not _matches(fr, part[i]):
+                            break
+                        items.append((a + i, fr))
+                k = len(items)
+                if k < len(part):
+                    rest = part[k:]
+                    blocks = self.store.get(rest, domains=[key_domain(x) for x in rest], lookup=_slice(lk, a + k, b))
+                    items += [(a + k + i, blk) for i, blk in enumerate(blocks)]
+                yield from self._send(call, items)
+                if len(items) < len(part):
                     return  # a block vanished or failed verification: the prefix ends here
 
-    def _get_each(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame]:
+    def _get_each(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame | bytes]:
         fence = self.store.fence
         step = self.limits.get_batch_blocks
         with self.store.pins.hold(keys):
@@ -215,32 +232,33 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 part = [(a + i, k) for i, k in enumerate(keys[a : a + step]) if not fence.is_closed(key_domain(k))]
                 yield from self._send(call, self._read_each(part))
 
-    def _read_each(self, part: list[tuple[int, BlockKey]]) -> list[tuple[int, Block]]:
+    def _read_each(self, part: list[tuple[int, BlockKey]]) -> list[tuple[int, Block | WireFrame]]:
         """Each key from the fastest tier that has it; one batched get per tier for what is left."""
-        found: dict[int, Block] = {}
+        found: dict[int, Block | WireFrame] = {}
         todo = part
         for tier in self.store.tiers:
             if not todo:
                 break
-            got = tier.get([k for _, k in todo])
+            want = [k for _, k in todo]
+            got = self._hot.frames(want) if tier is self._hot else tier.get(want)
             left = []
-            for (pos, k), blk in zip(todo, got, strict=True):
-                if blk is not None and blk.key == k and blk.meta.domain == key_domain(k):
-                    found[pos] = blk
+            for (pos, k), item in zip(todo, got, strict=True):
+                if _matches(item, k):
+                    found[pos] = item
                 else:
-                    if blk is not None:
+                    if item is not None:
                         tier.metrics.error("wrong_block")
                     left.append((pos, k))
             todo = left
         return sorted(found.items())
 
-    def _send(self, call: Call, blocks: list[tuple[int, Block]]) -> Iterator[ChunkFrame]:
+    def _send(self, call: Call, items: list[tuple[int, Block | WireFrame]]) -> Iterator[ChunkFrame | bytes]:
         lease = call.lease
-        total = sum(b.nbytes for _, b in blocks)
+        total = sum(x.nbytes for _, x in items)
         lease.reserve(total)
         try:
             # A block's bytes stay reserved until the message that completes it has been handed on.
-            for msg, done in pack_blocks(blocks, self.limits.chunk_bytes):
+            for msg, done in pack_items(items, self.limits.chunk_bytes):
                 yield msg
                 lease.release(done)
                 total -= done
@@ -404,6 +422,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 may_delete=self.policy.decide(Op.DELETE, p, scope),
             )
         return out
+
+
+def _matches(item: Block | WireFrame | None, key: BlockKey) -> bool:
+    """Whether a tier's answer for ``key`` is that block, in the key's own scope domain."""
+    return item is not None and item.meta.key == key and item.meta.domain == key_domain(key)
 
 
 def _slice(lk: Lookup, a: int, b: int) -> Lookup:

@@ -6,12 +6,19 @@ the last chunk carries the xxh3-64 of the whole payload, and a block is handed o
 size, shape and checksum all verified. Any violation is InvalidRequest (never a partial block).
 Small whole blocks may share one message (``BlockChunk.more``, see ``pack_blocks``); the chunk
 sequence a receiver checks is the same either way.
+
+A block that fits in one message can also be held already encoded (``WireFrame``: the daemon's
+``FrameMemoryTier`` keeps its blocks so) and sent as it is, with no copy and no hashing per Get.
+Such a frame carries no position: Get responses come in request order, so the receiver places a
+block whose first chunk says position 0 at the next requested key equal to its ``meta.key``
+(``ResponseSlots``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -111,9 +118,11 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def encode_frame(f: ChunkFrame | pb.BlockChunk) -> bytes:
+def encode_frame(f: ChunkFrame | pb.BlockChunk | bytes) -> bytes:
     """Serialize a frame (or a protobuf BlockChunk) with a single copy of its payload (and of
-    the payloads in its ``more``)."""
+    the payloads in its ``more``); a message already encoded (``pack_frames``) passes as it is."""
+    if isinstance(f, bytes):
+        return f
     if isinstance(f, pb.BlockChunk):
         return f.SerializeToString()
     parts, _ = _frame_parts(f)
@@ -211,9 +220,13 @@ def block_chunks(block: Block, chunk_bytes: int, position: int = 0) -> Iterator[
     """The frames that carry ``block``; each holds at most ``chunk_bytes`` of payload, as a view
     of the block's own memory (serialize before the block is released)."""
     mv = payload_view(block)
+    yield from _payload_chunks(mv, xxhash.xxh3_64_intdigest(mv), meta_to_msg(block.meta), chunk_bytes, position)
+
+
+def _payload_chunks(
+    mv: memoryview, checksum: int, meta: pb.BlockMeta, chunk_bytes: int, position: int
+) -> Iterator[ChunkFrame]:
     n = len(mv)
-    checksum = xxhash.xxh3_64_intdigest(mv)
-    meta = meta_to_msg(block.meta)
     off = 0
     while True:
         end = min(off + chunk_bytes, n)
@@ -254,6 +267,119 @@ def pack_blocks(blocks: Iterable[tuple[int, Block]], chunk_bytes: int) -> Iterat
         yield head, done
 
 
+# -- ready-made frames ----------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class WireFrame:
+    """A whole block as one encoded BlockChunk without a position: ``data`` is the message's bytes
+    (meta, payload, last, checksum), the payload at ``data[payload_offset:][:meta.nbytes]``.
+    Immutable, so a frame handed to a stream stays whole whatever the tier does meanwhile."""
+
+    meta: BlockMeta
+    data: bytes
+    payload_offset: int
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+    def payload(self) -> memoryview:
+        return memoryview(self.data)[self.payload_offset : self.payload_offset + self.meta.nbytes]
+
+
+def wire_frame(block: Block) -> WireFrame:
+    """Encode ``block`` (a CPU tensor) as a WireFrame: one copy of its payload and one xxh3."""
+    mv = payload_view(block)
+    checksum = xxhash.xxh3_64_intdigest(mv)
+    meta = meta_to_msg(block.meta).SerializeToString()
+    head = bytes([_T_META]) + _varint(len(meta)) + meta + bytes([_T_DATA]) + _varint(len(mv))
+    tail = bytes([_T_LAST, 1]) + (bytes([_T_CHECKSUM]) + _varint(checksum) if checksum else b"")
+    return WireFrame(block.meta, b"".join((head, mv, tail)), len(head), checksum)
+
+
+@runtime_checkable
+class FrameSource(Protocol):
+    """A tier that can hand out its blocks as WireFrames (``FrameMemoryTier``)."""
+
+    def frames(self, keys: Sequence[BlockKey]) -> list[WireFrame | None]: ...
+
+
+def pack_frames(frames: Iterable[tuple[int, WireFrame]], chunk_bytes: int) -> Iterator[tuple[bytes | ChunkFrame, int]]:
+    """``pack_blocks`` for WireFrames: a frame that fits a message is sent as its own bytes
+    (consecutive small ones joined through ``more``); a larger one is cut into chunks of views
+    of its payload, with its position and stored checksum."""
+    group: list[bytes] = []
+    size = done = 0
+    for pos, fr in frames:
+        n = len(fr.data) + FRAME_OVERHEAD
+        if group and n + size > chunk_bytes:
+            yield _join_frames(group), done
+            group, size, done = [], 0, 0
+        if n <= chunk_bytes:
+            group.append(fr.data)
+            size += n
+            done += fr.nbytes
+            continue
+        for f in _payload_chunks(fr.payload(), fr.checksum, meta_to_msg(fr.meta), chunk_bytes, pos):
+            yield f, fr.nbytes if f.last else 0
+    if group:
+        yield _join_frames(group), done
+
+
+def _join_frames(group: list[bytes]) -> bytes:
+    if len(group) == 1:
+        return group[0]  # the common case: the frame's own bytes, no copy
+    parts: list[bytes] = [group[0]]
+    for g in group[1:]:
+        parts += [bytes([_T_MORE]) + _varint(len(g)), g]
+    return b"".join(parts)
+
+
+def pack_items(
+    items: Sequence[tuple[int, Block | WireFrame]], chunk_bytes: int
+) -> Iterator[tuple[bytes | ChunkFrame, int]]:
+    """Blocks and frames in order: each consecutive run through ``pack_blocks`` or ``pack_frames``."""
+    i = 0
+    while i < len(items):
+        kind = type(items[i][1])
+        j = i
+        while j < len(items) and type(items[j][1]) is kind:
+            j += 1
+        run = items[i:j]
+        if kind is WireFrame:
+            yield from pack_frames(run, chunk_bytes)  # type: ignore[arg-type]
+        else:
+            yield from pack_blocks(run, chunk_bytes)  # type: ignore[arg-type]
+        i = j
+
+
+class ResponseSlots:
+    """Where each block of a Get response belongs: the request's keys, filled in order.
+
+    A block's first chunk names its position, or says 0 and means the next requested key equal
+    to its ``meta.key`` (ready-made frames carry no position). Positions only go forward: a
+    block for a key not requested at or after the last one placed is a protocol violation.
+    """
+
+    __slots__ = ("_keys", "_next")
+
+    def __init__(self, keys: Sequence[BlockKey]) -> None:
+        self._keys = list(keys)
+        self._next = 0
+
+    def place(self, position: int, key: BlockKey) -> int:
+        keys = self._keys
+        if position == 0 and not (self._next == 0 and keys and keys[0] == key):
+            try:
+                position = keys.index(key, self._next)
+            except ValueError:
+                raise InvalidRequest("daemon sent a block that was not asked for (or out of order)") from None
+        elif not self._next <= position < len(keys) or keys[position] != key:
+            raise InvalidRequest(f"daemon sent block for position {position} that was not asked for")
+        self._next = position + 1
+        return position
+
+
 def message_chunks(msg: ChunkFrame | pb.BlockChunk) -> list[ChunkFrame | pb.BlockChunk]:
     """The chunks one received message carries, in order: itself, then those in ``more``."""
     return [msg, *msg.more] if len(msg.more) else [msg]
@@ -272,6 +398,12 @@ def block_messages(block: Block, chunk_bytes: int, position: int = 0) -> Iterato
 
 Allocate = Callable[[int, BlockMeta], torch.Tensor]
 """``(position, meta) -> destination tensor`` for a block about to arrive (dtype/shape of meta)."""
+Place = Callable[[int, BlockKey], int]
+"""``(position on the wire, key) -> the block's position`` (``ResponseSlots.place``)."""
+
+
+def _as_sent(position: int, _key: BlockKey) -> int:
+    return position
 
 
 class BlockAssembler:
@@ -279,17 +411,22 @@ class BlockAssembler:
 
     Invariants: at most one block is open; bytes land in the tensor ``allocate`` returned, at
     their declared offset, and only contiguously; a block is returned only once complete with a
-    matching checksum. Not thread-safe: one assembler per stream, fed by one thread.
+    matching checksum. A block's position is what ``place`` makes of its first chunk's (as sent,
+    by default); every later chunk of the block must repeat the position its first one carried.
+    Not thread-safe: one assembler per stream, fed by one thread.
     """
 
-    __slots__ = ("_allocate", "_buf", "_dest", "_meta", "_position", "_received", "blocks")
+    __slots__ = ("_allocate", "_buf", "_dest", "_meta", "_place", "_position", "_received", "_sent_position",
+                 "blocks")
 
-    def __init__(self, allocate: Allocate) -> None:
+    def __init__(self, allocate: Allocate, place: Place = _as_sent) -> None:
         self._allocate = allocate
+        self._place = place
         self._meta: BlockMeta | None = None
         self._dest: torch.Tensor | None = None
         self._buf: np.ndarray | None = None
         self._position = 0
+        self._sent_position = 0
         self._received = 0
         self.blocks = 0
 
@@ -326,14 +463,16 @@ class BlockAssembler:
                 raise InvalidRequest("the first chunk of a block must carry its meta")
             assert chunk.meta is not None
             meta = meta_from_msg(chunk.meta)
-            dest = self._allocate(chunk.position, meta)
+            position = self._place(chunk.position, meta.key)
+            dest = self._allocate(position, meta)
             if dest.dtype != DTYPES[meta.dtype][0] or tuple(dest.shape) != meta.shape or not dest.is_contiguous():
                 raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
-            self._meta, self._dest, self._position, self._received = meta, dest, chunk.position, 0
+            self._meta, self._dest, self._position, self._received = meta, dest, position, 0
+            self._sent_position = chunk.position
             self._buf = dest.view(torch.uint8).reshape(-1).numpy()
         elif has_meta:
             raise InvalidRequest("meta may appear only on the first chunk of a block")
-        elif chunk.position != self._position:
+        elif chunk.position != self._sent_position:
             raise InvalidRequest("a chunk of another block arrived before the open block was complete")
         assert self._buf is not None and self._meta is not None and self._dest is not None
         data = chunk.data

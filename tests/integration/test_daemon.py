@@ -111,6 +111,28 @@ def test_calls_without_a_valid_token_are_refused_except_health(daemon: Daemon, d
     bad.close()
 
 
+# -- frames and tiers -------------------------------------------------------------------------------
+def test_get_mixes_frames_from_memory_with_blocks_from_disk_in_request_order(client, daemon: Daemon) -> None:
+    """The memory tier holds 32 blocks, so a 40-block chain ends up split between ready-made
+    frames (memory) and LMDB; both Get modes return every byte at its requested position."""
+    alice = client()
+    blocks = user_chain(alice, 40, seed=3)
+    for i in range(0, 40, 8):  # in batches, so the chain's head is what spills to disk
+        assert alice.put(blocks[i : i + 8]).stored == [b.key for b in blocks[i : i + 8]]
+    usage = {t.name: t.usage().blocks for t in daemon.store.tiers}
+    assert usage["memory"] == 32 and usage["lmdb"] >= 8
+    got = alice.get_prefix([b.key for b in blocks])
+    assert len(got) == 40 and all(same_bytes(g, b) for g, b in zip(got, blocks, strict=True))
+    # EACH mode: repeated keys, unknown keys in between, order kept; both tiers answer.
+    unknown = user_chain(alice, 2, seed=4)[1].key[:-1] + b"\xff"
+    ask = [blocks[39].key, unknown, blocks[0].key, blocks[39].key, unknown, blocks[5].key]
+    each = alice.get(ask)
+    assert [g is None for g in each] == [False, True, False, False, True, False]
+    for g, want in zip([each[0], each[2], each[3], each[5]], [blocks[39], blocks[0], blocks[39], blocks[5]],
+                       strict=True):
+        assert g is not None and same_bytes(g, want)
+
+
 # -- isolation --------------------------------------------------------------------------------------
 def test_tenants_share_public_prefix_and_nothing_else(client) -> None:
     alice = client("acme", "alice", roles=PUBLISH)

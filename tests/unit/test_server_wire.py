@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from kvtier.errors import InvalidRequest, LayoutMismatch
 from kvtier.server import kvtier_pb2 as pb
 from kvtier.server.wire import (
+    FRAME_OVERHEAD,
     BlockAssembler,
     ChunkFrame,
+    ResponseSlots,
     as_message,
     block_chunks,
     check_domain,
@@ -22,6 +24,9 @@ from kvtier.server.wire import (
     meta_from_msg,
     meta_to_msg,
     pack_blocks,
+    pack_frames,
+    pack_items,
+    wire_frame,
 )
 from tests.helpers import SMALL, chain_blocks, same_bytes
 
@@ -187,3 +192,66 @@ def test_blocks_before_a_bad_one_in_the_same_message_are_kept() -> None:
         for done in BlockAssembler(empty).feed_message(decode_frame(encode_frame(msg))):
             got.append(done)
     assert [p for p, _ in got] == [0, 1] and all(same_bytes(g, b) for (_, g), b in zip(got, blocks, strict=False))
+
+
+# -- ready-made frames ------------------------------------------------------------------------------
+def test_wire_frame_is_the_protobuf_chunk_without_a_position() -> None:
+    b = chain_blocks(1)[0]
+    fr = wire_frame(b)
+    want = pb.BlockChunk(meta=meta_to_msg(b.meta), data=bytes(b.as_bytes_view()), last=True,
+                         checksum=fr.checksum)
+    assert fr.data == want.SerializeToString()
+    assert bytes(fr.payload()) == bytes(b.as_bytes_view()) and fr.nbytes == BPB
+
+
+@pytest.mark.parametrize("chunk", [100, BPB, BPB + 300, 3 * BPB + 200, 64 * BPB])
+def test_packed_frames_reassemble_in_request_order(chunk: int) -> None:
+    blocks = chain_blocks(7)
+    items = [(i, wire_frame(b)) for i, b in enumerate(blocks)]
+    msgs = list(pack_frames(items, chunk))
+    assert sum(done for _, done in msgs) == 7 * BPB
+    whole = chunk >= len(items[0][1].data) + FRAME_OVERHEAD
+    if whole:
+        assert all(isinstance(m, bytes) for m, _ in msgs)
+        if chunk < 2 * (len(items[0][1].data) + FRAME_OVERHEAD):
+            assert all(m is fr.data for (m, _), (_, fr) in zip(msgs, items, strict=True))  # no copy
+    else:  # too big for one message: cut into chunks that name their position
+        assert all(isinstance(m, ChunkFrame) for m, _ in msgs)
+    keys = [b.key for b in blocks]
+    asm = BlockAssembler(empty, ResponseSlots(keys).place)
+    got = [done for m, _ in msgs for done in asm.feed_message(decode_frame(encode_frame(m)))]
+    assert [p for p, _ in got] == list(range(7))
+    assert all(same_bytes(g, b) for (_, g), b in zip(got, blocks, strict=True))
+
+
+def test_pack_items_keeps_order_across_blocks_and_frames() -> None:
+    blocks = chain_blocks(6)
+    items = [(i, wire_frame(b) if i in (0, 1, 4) else b) for i, b in enumerate(blocks)]
+    asm = BlockAssembler(empty, ResponseSlots([b.key for b in blocks]).place)
+    got = [d for m, _ in pack_items(items, BPB + 300) for d in asm.feed_message(decode_frame(encode_frame(m)))]
+    assert [p for p, _ in got] == list(range(6))
+    assert all(same_bytes(g, b) for (_, g), b in zip(got, blocks, strict=True))
+
+
+def test_response_slots_place_blocks_without_positions() -> None:
+    a, b, c = (blk.key for blk in chain_blocks(3))
+    slots = ResponseSlots([a, b, a, c])
+    assert [slots.place(0, a), slots.place(0, a), slots.place(0, c)] == [0, 2, 3]
+    slots = ResponseSlots([a, b, c])
+    assert slots.place(1, b) == 1  # explicit positions still work, going forward
+    with pytest.raises(InvalidRequest, match="not asked for"):
+        slots.place(0, a)  # a is only before the last block placed: out of order
+    with pytest.raises(InvalidRequest, match="position 1"):
+        ResponseSlots([a, b, c]).place(1, c)  # the key at position 1 is b
+    with pytest.raises(InvalidRequest, match="position 7"):
+        ResponseSlots([a, b, c]).place(7, a)
+    with pytest.raises(InvalidRequest, match="not asked for"):
+        ResponseSlots([a]).place(0, b)
+
+
+def test_a_damaged_frame_is_refused() -> None:
+    b = chain_blocks(1)[0]
+    raw = bytearray(wire_frame(b).data)
+    raw[len(raw) // 2] ^= 1  # a payload byte
+    with pytest.raises(InvalidRequest, match="checksum"):
+        list(BlockAssembler(empty, ResponseSlots([b.key]).place).feed_message(decode_frame(bytes(raw))))

@@ -1,0 +1,77 @@
+"""The daemon's RAM tier: blocks held as ready-to-send gRPC frames.
+
+A Get served from ``MemoryTier`` copies each payload three times before gRPC's own copy (slab to
+tensor, tensor into the message, plus an xxh3 pass), and on a two-core node that per-byte work
+is what separates the daemon from a raw byte stream. ``FrameMemoryTier`` encodes a block once,
+when it is stored, as the BlockChunk that carries it (``WireFrame``: metadata, payload, xxh3),
+so a Get hands gRPC those bytes as they are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.block import Block, BlockMeta
+from kvtier.keys import BlockKey
+from kvtier.server.wire import WireFrame, wire_frame
+from storage_backends.memory import MemoryTier, slab_dtype
+
+
+class FrameMemoryTier(MemoryTier):
+    """A MemoryTier whose payloads are held as WireFrames (immutable ``bytes``, not slabs).
+
+    Invariants (beyond MemoryTier's): a frame's payload bytes and checksum are those of the block
+    put, and a frame is never changed once made, so one handed out by ``frames`` stays valid
+    after an eviction or delete (the stream keeps its reference; the tier forgets it). Capacity
+    counts payload bytes, as MemoryTier does; each frame adds its ~200 bytes of framing.
+    Frames are never pinned memory: this tier is for processes that serve blocks over gRPC,
+    not for staging copies to a GPU.
+    """
+
+    name = "memory"
+
+    def frames(self, keys: Sequence[BlockKey]) -> list[WireFrame | None]:
+        """The stored frames of ``keys`` (None where absent); counted as gets."""
+        t0 = time.perf_counter()
+        out: list[WireFrame | None] = []
+        hits = nbytes = 0
+        with self._lock:
+            for k in keys:
+                ent = self._blocks.get(k)
+                if ent is None:
+                    out.append(None)
+                    continue
+                self.policy.touch(k)
+                out.append(ent[1])
+                hits += 1
+                nbytes += ent[0].nbytes
+        self.metrics.hit(hits, nbytes)
+        self.metrics.miss(len(keys) - hits)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return out
+
+    # -- how a payload is held --------------------------------------------------------------------
+    def _keep(self, block: Block) -> WireFrame:
+        if block.data.device.type != "cpu":
+            block = Block(block.meta, block.data.cpu())
+        return wire_frame(block)
+
+    def _copy_out(self, held: WireFrame, dest: torch.Tensor) -> None:
+        # numpy reads the immutable bytes without making a (writable) tensor over them.
+        src = np.frombuffer(held.data, dtype=np.uint8, count=held.nbytes, offset=held.payload_offset)
+        if dest.device.type == "cpu":
+            np.copyto(dest.numpy(), src)
+        else:
+            dest.copy_(torch.from_numpy(src.copy()))
+
+    def _evicted_block(self, meta: BlockMeta, held: WireFrame) -> Block:
+        data = torch.empty(meta.shape, dtype=slab_dtype(meta))
+        self._copy_out(held, data.view(torch.uint8).reshape(-1))
+        return Block(meta, data)
+
+    def _discard(self, held: WireFrame) -> None:
+        return None  # the bytes go when the last reference (a stream's, perhaps) does
