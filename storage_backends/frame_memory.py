@@ -9,7 +9,6 @@ so a Get hands gRPC those bytes as they are.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,23 +35,7 @@ class FrameMemoryTier(MemoryTier):
 
     def frames(self, keys: Sequence[BlockKey]) -> list[WireFrame | None]:
         """The stored frames of ``keys`` (None where absent); counted as gets."""
-        t0 = time.perf_counter()
-        out: list[WireFrame | None] = []
-        hits = nbytes = 0
-        with self._lock:
-            for k in keys:
-                ent = self._blocks.get(k)
-                if ent is None:
-                    out.append(None)
-                    continue
-                self.policy.touch(k)
-                out.append(ent[1])
-                hits += 1
-                nbytes += ent[0].nbytes
-        self.metrics.hit(hits, nbytes)
-        self.metrics.miss(len(keys) - hits)
-        self.metrics.observe("get", time.perf_counter() - t0)
-        return out
+        return self._serve(keys, lambda _i, _meta, frame: frame)
 
     # -- how a payload is held --------------------------------------------------------------------
     def _keep(self, block: Block) -> WireFrame:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,6 +16,8 @@ from kvtier.hostmem import HostSlabPool
 from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
 from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
+
+T = TypeVar("T")
 
 
 class MemoryTier(IndexedTier):
@@ -52,8 +54,22 @@ class MemoryTier(IndexedTier):
         return self._read(keys, outs)
 
     def _read(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None) -> list[Block | None]:
+        def copy(i: int, meta: BlockMeta, held: Any) -> Block:
+            if outs is None:
+                data = torch.empty(meta.shape, dtype=slab_dtype(meta))
+            else:
+                data = outs[i]
+                if data.dtype != slab_dtype(meta) or tuple(data.shape) != meta.shape or not data.is_contiguous():
+                    raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
+            self._copy_out(held, data.view(torch.uint8).reshape(-1))
+            return Block(meta, data)
+
+        return self._serve(keys, copy)
+
+    def _serve(self, keys: Sequence[BlockKey], make: Callable[[int, BlockMeta, Any], T]) -> list[T | None]:
+        """``make(position, meta, held)`` for each stored key (None where absent), as one counted get."""
         t0 = time.perf_counter()
-        out: list[Block | None] = []
+        out: list[T | None] = []
         hits = nbytes = 0
         with self._lock:
             for i, k in enumerate(keys):
@@ -61,18 +77,10 @@ class MemoryTier(IndexedTier):
                 if ent is None:
                     out.append(None)
                     continue
-                meta, held = ent
-                if outs is None:
-                    data = torch.empty(meta.shape, dtype=slab_dtype(meta))
-                else:
-                    data = outs[i]
-                    if data.dtype != slab_dtype(meta) or tuple(data.shape) != meta.shape or not data.is_contiguous():
-                        raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
-                self._copy_out(held, data.view(torch.uint8).reshape(-1))
+                out.append(make(i, *ent))
                 self.policy.touch(k)
-                out.append(Block(meta, data))
                 hits += 1
-                nbytes += meta.nbytes
+                nbytes += ent[0].nbytes
         self.metrics.hit(hits, nbytes)
         self.metrics.miss(len(keys) - hits)
         self.metrics.observe("get", time.perf_counter() - t0)
