@@ -19,8 +19,10 @@ import os
 import platform
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import numpy as np
 import torch
@@ -36,6 +38,8 @@ from storage_backends.memory import MemoryTier
 
 TARGET_RATIO = 0.9
 DEFAULT_SIZES_MIB = (1, 4, 16, 64)
+#: Most page ids one self-check batch carries (the gather/scatter round trip moves 100).
+SELFCHECK_MAX_PAGES = 128
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,9 +65,14 @@ def _pages(n: int, pb: int, device: torch.device, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, pb), dtype=torch.uint8, generator=gen).to(device)
 
 
-def _check_copiers(device: torch.device) -> CheckResult:
-    copier, note = make_copier("auto", device)
+def _check_copiers(engine: TransferEngine) -> CheckResult:
+    device, copier, note = engine.device, engine.copier, engine.copier_note
     if copier.name != "cupy":
+        # With cupy installed and a GPU present the fused kernel is expected: a silent fallback to
+        # torch (no NVRTC, a toolkit mismatch, a failed kernel self-test) is a failure to report.
+        expected = engine.cuda and engine.config.copier == "auto" and find_spec("cupy") is not None
+        if expected:
+            return CheckResult("cupy kernel == torch indexing", False, f"cupy is installed but not used: {note}")
         return CheckResult("cupy kernel == torch indexing", True, f"not exercised: {note}")
     torch_copier, _ = make_copier("torch", device)
     rng = np.random.default_rng(1)
@@ -148,16 +157,23 @@ def _check_gpu_tier(engine: TransferEngine) -> CheckResult:
     return CheckResult("GpuTier put/spill/get", True, detail)
 
 
+SELF_CHECKS: tuple[tuple[str, Callable[[TransferEngine], CheckResult]], ...] = (
+    ("cupy kernel == torch indexing", _check_copiers),
+    ("gather/scatter round trip", _check_round_trip),
+    ("layerwise load", _check_layerwise),
+    ("GpuTier put/spill/get", _check_gpu_tier),
+)
+
+
 def selfcheck(engine: TransferEngine) -> list[CheckResult]:
-    checks: list[Callable[[], CheckResult]] = [
-        lambda: _check_copiers(engine.device),
-        lambda: _check_round_trip(engine),
-        lambda: _check_layerwise(engine),
-        lambda: _check_gpu_tier(engine),
-    ]
+    """Every check runs and is reported: one that raises is a failure, not the end of the run."""
     out = []
-    for check in checks:
-        res = check()
+    for name, check in SELF_CHECKS:
+        try:
+            res = check(engine)
+        except Exception as exc:  # any failure of the code under test is this check's result
+            traceback.print_exc()
+            res = CheckResult(name, False, f"raised {exc!r}")
         progress(f"self-check {res.name}: {'ok' if res.ok else 'FAILED'} ({res.detail})")
         out.append(res)
     return out
@@ -277,12 +293,38 @@ def run(args: argparse.Namespace) -> int:
         progress("every size must be a positive whole number of pages")
         return 2
     params = BenchParams(tuple(args.sizes_mib), page_bytes, args.reps or (20 if cuda else 3), 3 if cuda else 1)
+    payload: dict[str, object] = {
+        "benchmark": "gpu-transfer",
+        "device": None,  # named once the engine has picked its device
+        "cuda": cuda,
+        "torch": torch.__version__,
+        "target_ratio_vs_pinned": TARGET_RATIO,
+        "selfcheck": [],
+        "results": [],
+    }
+    # The JSON is the run's record on a machine nobody can look at afterwards: write it whatever
+    # happens, with the error when something the self-check does not cover (setup, a measurement) fails.
+    try:
+        return _run(args, params, payload)
+    except Exception as exc:
+        traceback.print_exc()
+        progress(f"FAILED: {exc!r}")
+        payload["error"] = repr(exc)
+        return 1
+    finally:
+        write_json(json_path, payload)
+
+
+def _run(args: argparse.Namespace, params: BenchParams, payload: dict[str, object]) -> int:
+    cuda, page_bytes = bool(payload["cuda"]), params.page_bytes
     largest = max(params.sizes_mib) * MiB
-    config = TransferConfig(buffer_bytes=largest, n_buffers=2, max_pages=largest // page_bytes * 2)
+    # The self-check moves batches of up to SELFCHECK_MAX_PAGES ids, whatever sizes are measured.
+    max_pages = max(largest // page_bytes * 2, SELFCHECK_MAX_PAGES)
+    config = TransferConfig(buffer_bytes=largest, n_buffers=2, max_pages=max_pages)
     engine = TransferEngine(None, config)
-    info = engine.describe()
+    info = payload["engine"] = engine.describe()
     cpu_name = f"CPU ({platform.processor() or platform.machine()})"
-    device_name = torch.cuda.get_device_name(engine.device) if cuda else cpu_name
+    device_name = payload["device"] = torch.cuda.get_device_name(engine.device) if cuda else cpu_name
     if not cuda:
         progress("CUDA is absent: running the CPU fallback of the same classes (no pinning, no streams); "
                  "these are not GPU figures")  # fmt: skip
@@ -290,25 +332,15 @@ def run(args: argparse.Namespace) -> int:
 
     checks = selfcheck(engine)
     failed = [c for c in checks if not c.ok]
-    payload: dict[str, object] = {
-        "benchmark": "gpu-transfer",
-        "device": device_name,
-        "cuda": cuda,
-        "torch": torch.__version__,
-        "engine": info,
-        "target_ratio_vs_pinned": TARGET_RATIO,
-        "selfcheck": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in checks],
-        "results": [],
-    }
+    payload["selfcheck"] = [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in checks]
     if failed or args.selfcheck_only:
-        write_json(json_path, payload)
         return 1 if failed else 0
 
     results: list[dict[str, object]] = []
+    payload["results"] = results  # filled in place: a failing size keeps the sizes measured before it
     for mib in params.sizes_mib:
         progress(f"measuring {mib} MiB batches ({params.reps} reps)")
         results.extend(measure_size(engine, mib * MiB, params))
-    payload["results"] = results
     payload["params"] = {"page_bytes": page_bytes, "reps": params.reps, "warmup": params.warmup}
     if not cuda:
         payload["note"] = "CUDA absent: CPU fallback; 'pinned' is a plain host copy and pageable is not measured"
@@ -322,7 +354,6 @@ def run(args: argparse.Namespace) -> int:
     ]))  # fmt: skip
     for r in results:
         del r["MiB"], r["target"]
-    write_json(json_path, payload)
     engine.close()
     return 0
 

@@ -1,4 +1,4 @@
-"""Host memory for the CPU tier: a slab pool, pinned when CUDA exists so copies to the GPU are DMA."""
+"""Host memory for the CPU tier: a pool of reusable (pageable, unless asked) slabs, and malloc tuning."""
 
 from __future__ import annotations
 
@@ -39,19 +39,21 @@ def tune_malloc_for_large_blocks(mmap_threshold: int = 64 << 20, trim_threshold:
     return ok
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 class HostSlabPool:
-    """Reuses same-sized host buffers; pinning is expensive, so a freed slab is kept for the next block.
+    """Reuses same-sized host buffers, so a block put does not pay a fresh allocation and its faults.
 
     Slabs handed out belong to the caller until ``release``; the pool never reads or writes them.
     ``max_free_bytes`` bounds what idle slabs may hold.
+
+    Slabs are pageable by default. The CPU tier only copies host to host with them (GpuTier stages
+    through its transfer engine's own pinned buffers), so pinning would buy nothing; and torch's
+    pinned allocator rounds each request up to a power of two and caches freed blocks itself, so a
+    5 MiB slab would lock 8 MiB and ``max_free_bytes`` would not bound the pinned memory. ``pin=True``
+    is for a caller that DMAs straight from the slabs and accepts that.
     """
 
-    def __init__(self, *, pin: bool | None = None, max_free_bytes: int = 1 << 30) -> None:
-        self.pin = cuda_available() if pin is None else pin
+    def __init__(self, *, pin: bool = False, max_free_bytes: int = 1 << 30) -> None:
+        self.pin = pin
         self.max_free_bytes = max_free_bytes
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._free_bytes = 0

@@ -237,11 +237,24 @@ class StagingPool:
     def __init__(self, config: TransferConfig, device: torch.device) -> None:
         self.config = config
         self._cond = threading.Condition()
-        self._free: deque[StagingBuffer] = deque(StagingBuffer(i, config, device) for i in range(config.n_buffers))
+        self._buffers = tuple(StagingBuffer(i, config, device) for i in range(config.n_buffers))
+        self._free: deque[StagingBuffer] = deque(self._buffers)
         self._lent_bytes = 0
         self._lent = 0
         self.peak_inflight_bytes = 0
         self.waits = 0
+
+    def used_on(self, streams: Iterable[torch.cuda.Stream]) -> None:
+        """Declare that the device id rows are read on ``streams`` (the engine's lanes).
+
+        They are allocated on the caller's stream but only ever used on the lanes; without this
+        the caching allocator could hand their memory to new tensors on the allocating stream as
+        soon as they are dropped, while a lane's queued copy still reads it.
+        """
+        for stream in streams:
+            for b in self._buffers:
+                if b.dev_ids.is_cuda:
+                    b.dev_ids.record_stream(stream)
 
     def acquire(self, nbytes: int) -> StagingLease:
         """Lend a buffer for ``nbytes``; blocks under back-pressure for up to ``acquire_timeout_s``."""
@@ -680,6 +693,10 @@ class _Lane:
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if cuda else None
         self.scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device) if cuda else None
+        if self.stream is not None and self.scratch is not None:
+            # Allocated on the caller's stream, used only on ours: dropping it (close, or an engine
+            # that is never closed) must not free it for reuse while our queued copies still run.
+            self.scratch.record_stream(self.stream)
 
 
 class TransferEngine:
@@ -698,6 +715,7 @@ class TransferEngine:
         self.copier, self.copier_note = make_copier(self.config.copier, self.device)
         self.staging = StagingPool(self.config, self.device)
         self._lanes = {d: _Lane(d, self.device, self.config.buffer_bytes) for d in (D2H, H2D)}
+        self.staging.used_on(lane.stream for lane in self._lanes.values() if lane.stream is not None)
         self._closed = False
 
     # -- public API ---------------------------------------------------------------------------------
@@ -736,7 +754,7 @@ class TransferEngine:
                     self.copier.copy(src, src_ids, tmp, None, n)
                     staged.copy_(tmp, non_blocking=True)
 
-            done = self._submit(D2H, work, after, wait_current, borrowed=(pages,))
+            done = self._submit(D2H, work, after, wait_current, borrowed=(pages,), lease=lease)
         except BaseException:
             lease.release()
             raise
@@ -789,7 +807,7 @@ class TransferEngine:
                     tmp.copy_(staged, non_blocking=True)
                     self.copier.copy(tmp, None, dst, dst_ids, n)
 
-            done = self._submit(H2D, work, after, wait_current, borrowed=(pages,))
+            done = self._submit(H2D, work, after, wait_current, borrowed=(pages,), lease=lease)
         except BaseException:
             lease.release()
             raise
@@ -882,7 +900,6 @@ class TransferEngine:
         try:
             lease.set_ids(0, s_ids)
             lease.set_ids(1, d_ids)
-            borrowed = (*src_layers, *dst_layers)
             for layer in range(n_layers):
                 def work(_scratch: torch.Tensor | None, layer: int = layer) -> None:
                     if not dev_ids:
@@ -890,7 +907,11 @@ class TransferEngine:
                     self.copier.copy(srcs[layer], dev_ids[0], dsts[layer], dev_ids[1], n)
 
                 first = layer == 0
-                dones.append(self._submit(H2D, work, after if first else (), wait_current and first, borrowed))
+                prior = after if first else ()
+                # Only this layer's tensors are used by this layer's work: borrowing every layer
+                # each time would cost 2 * layers**2 record_stream calls per load.
+                borrowed = (src_layers[layer], dst_layers[layer])
+                dones.append(self._submit(H2D, work, prior, wait_current and first, borrowed, lease=lease))
         finally:
             lease.release(dones[-1] if dones else DONE)
         return LayerwiseLoad(n_layers, n, dones.__getitem__, n_layers, self.device)
@@ -933,8 +954,13 @@ class TransferEngine:
         after: Iterable[Completion],
         wait_current: bool,
         borrowed: Iterable[torch.Tensor] = (),
+        lease: StagingLease | None = None,
     ) -> Completion:
-        """Queue ``work`` on a lane after ``after`` (and the caller's stream); returns its completion."""
+        """Queue ``work`` on a lane after ``after`` (and the caller's stream); returns its completion.
+
+        ``lease``: the staging ``work`` reads or writes. Should ``work`` raise on a CUDA lane, part
+        of it may already be queued, so the lease is released here, fenced behind what was queued.
+        """
         self._check_open()
         lane = self._lanes[lane_name]
         with lane.lock:
@@ -947,11 +973,18 @@ class TransferEngine:
                     lane.stream.wait_stream(caller)
                 for c in after:
                     c.block_stream(lane.stream)
-                work(lane.scratch)
-                for t in borrowed:
-                    # The caller's tensor is used on our stream: keep its memory from being reused
-                    # by the caching allocator until our queued work is past it.
-                    t.record_stream(lane.stream)
+                try:
+                    work(lane.scratch)
+                except BaseException:
+                    # A launch error or an OOM can come after device_ids() queued the id copy that
+                    # reads the lease's host rows: released as idle, the next lease could rewrite
+                    # them under that copy. The caller's own release is then a no-op.
+                    failed = Completion.record(lane.stream)
+                    _borrow(borrowed, lane.stream)
+                    if lease is not None:
+                        lease.release(failed)
+                    raise
+                _borrow(borrowed, lane.stream)
                 return Completion.record(lane.stream)
 
     def _scatter_leased(
@@ -973,7 +1006,7 @@ class TransferEngine:
             tmp.copy_(staged, non_blocking=True)
             self.copier.copy(tmp, None, rows, lease.device_ids(0, n), n)
 
-        return self._submit(H2D, work, after, False, borrowed)
+        return self._submit(H2D, work, after, False, borrowed, lease=lease)
 
     def _source_lease(self, src: StagingLease | torch.Tensor, nbytes: int) -> StagingLease:
         if isinstance(src, StagingLease):
@@ -1027,6 +1060,13 @@ class TransferEngine:
         if any(t.shape[1] != lb for t in layers):
             raise TransferError("every layer's pages must have the same byte size")
         return len(layers), lb
+
+
+def _borrow(tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """The caller's tensors are used on ``stream``: keep their memory from being reused by the
+    caching allocator until the work queued there so far is past it."""
+    for t in tensors:
+        t.record_stream(stream)
 
 
 def page_rows(pages: torch.Tensor, what: str = "pages") -> torch.Tensor:

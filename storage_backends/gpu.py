@@ -221,8 +221,10 @@ class GpuTier(IndexedTier):
             if n:
                 # Slot s, layer l is pool[s, l*lb:(l+1)*lb]: a strided view per layer, no copy.
                 src_layers = list(pool[:, : n_layers * lb].view(self.n_slots, n_layers, lb).unbind(1))
+                # A slice, not list(): that would split a tensor into 0-d tensors (a device sync
+                # each, and rejected as ids); the engine validates whatever the caller passed.
                 load = self.engine.copy_layers(
-                    src_layers, [e.slot for e in entries], dst_layers, list(page_ids)[:n], after=(self._last_write,)
+                    src_layers, [e.slot for e in entries], dst_layers, page_ids[:n], after=(self._last_write,)
                 )
             else:
                 load = LayerwiseLoad(n_layers, 0, lambda _layer: DONE, n_layers, self.device)

@@ -1,6 +1,7 @@
 """pytest fixtures for the remote tier: one real SeaweedFS per test session, a fresh prefix per test.
 
-Loaded from tests/conftest.py (``pytest_plugins``). Nothing here mocks S3: every test talks HTTP
+Loaded from tests/conftest.py (``pytest_plugins``) where boto3 is installed (a GPU box has none).
+Nothing here mocks S3: every test talks HTTP
 to a ``weed mini`` bound to loopback on free ports in a temporary directory.
 """
 

@@ -19,6 +19,9 @@ BPB = SMALL.bytes_per_block
 LB = BPB // SMALL.num_layers
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
+#: Tests not parametrized over DEVICES pin their tier to the CPU: GpuTier() picks CUDA when present,
+#: and a test that hands it CPU tensors would then fail on the device mismatch, not on its point.
+CPU = "cpu"
 
 
 def keys(blocks):
@@ -103,7 +106,7 @@ def test_slot_reuse_never_returns_stale_bytes(device: str) -> None:
 
 
 def test_smaller_blocks_fit_and_larger_are_rejected() -> None:
-    gpu = GpuTier(n_slots=4, slot_bytes=BPB)
+    gpu = GpuTier(n_slots=4, slot_bytes=BPB, device=CPU)
     tiny = KVLayout("tiny", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_tokens=4)
     big = KVLayout("big", num_layers=4, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_tokens=4)
     t = chain_blocks(2, layout=tiny)
@@ -133,26 +136,53 @@ def test_load_into_engine_pages_layer_by_layer(device: str) -> None:
     gpu.close()
 
 
-def test_load_into_bad_input_raises_and_writes_nothing() -> None:
-    gpu = GpuTier(n_slots=4, slot_bytes=BPB)
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_into_bad_input_raises_and_writes_nothing(device: str) -> None:
+    gpu = GpuTier(n_slots=4, slot_bytes=BPB, device=device)
     blocks = chain_blocks(2)
     gpu.put(blocks)
-    dst = [torch.zeros(4, LB, dtype=torch.uint8) for _ in range(SMALL.num_layers)]
+    dst = [torch.zeros(4, LB, dtype=torch.uint8, device=device) for _ in range(SMALL.num_layers)]
     with pytest.raises(TransferError, match="page ids"):
         gpu.load_into(keys(blocks), dst, [0])
     with pytest.raises(LayoutMismatch, match="layers"):
-        gpu.load_into(keys(blocks), [torch.zeros(4, LB // 2, dtype=torch.uint8)] * 2, [0, 1])
+        gpu.load_into(keys(blocks), [torch.zeros(4, LB // 2, dtype=torch.uint8, device=device)] * 2, [0, 1])
     with pytest.raises(TransferError, match="out of range"):
         gpu.load_into(keys(blocks), dst, [0, 4])
     with pytest.raises(TransferError, match="repeat"):
         gpu.load_into(keys(blocks), dst, [1, 1])
+    with pytest.raises(TransferError, match="integers"):
+        gpu.load_into(keys(blocks), dst, torch.tensor([0.0, 1.0]))
+    if device == "cuda":  # ids are validated on the host, before anything is queued
+        with pytest.raises(TransferError, match="on the host"):
+            gpu.load_into(keys(blocks), dst, torch.tensor([0, 1], device=device))
+    else:
+        with pytest.raises(TransferError, match="is on meta; this engine works on cpu"):
+            gpu.load_into(keys(blocks), [torch.zeros(4, LB, dtype=torch.uint8, device="meta")] * 2, [0, 1])
     assert not any(d.any() for d in dst)
     assert gpu.contains(keys(blocks)) == 2
     assert gpu.engine.staging.lent == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_type", ["list", "numpy", "tensor"])
+def test_load_into_takes_ids_as_list_array_or_host_tensor(device: str, as_type: str) -> None:
+    gpu = GpuTier(n_slots=4, slot_bytes=BPB, device=device)
+    blocks = chain_blocks(3)
+    gpu.put(blocks[:2])  # the stored prefix is 2 long: only the first two ids are used
+    ids = {"list": [3, 1, 0], "numpy": np.array([3, 1, 0]), "tensor": torch.tensor([3, 1, 0])}[as_type]
+    dst = [torch.zeros(4, LB, dtype=torch.uint8, device=device) for _ in range(SMALL.num_layers)]
+    load = gpu.load_into(keys(blocks), dst, ids)
+    load.wait()
+    assert load.blocks == 2
+    for layer in range(SMALL.num_layers):
+        assert torch.equal(dst[layer][3].cpu(), block_layer(blocks[0], layer))
+        assert torch.equal(dst[layer][1].cpu(), block_layer(blocks[1], layer))
+        assert not dst[layer][[0, 2]].any()
+    gpu.close()
+
+
 def test_get_into_wrong_destination_keeps_everything() -> None:
-    gpu = GpuTier(n_slots=4, slot_bytes=BPB)
+    gpu = GpuTier(n_slots=4, slot_bytes=BPB, device=CPU)
     blocks = chain_blocks(2)
     gpu.put(blocks)
     with pytest.raises(LayoutMismatch, match="destination tensors"):
@@ -173,7 +203,7 @@ def test_configuration_errors() -> None:
     with pytest.raises(ConfigError, match="staging"):
         GpuTier(n_slots=2, slot_bytes=BPB, engine=engine)
     with pytest.raises(ConfigError, match="policy"):
-        GpuTier(n_slots=2, slot_bytes=BPB, policy="nope")
+        GpuTier(n_slots=2, slot_bytes=BPB, policy="nope", device=CPU)
     if not CUDA:
         with pytest.raises(ConfigError, match="CUDA"):
             GpuTier(n_slots=2, slot_bytes=BPB, device="cuda")
@@ -182,7 +212,7 @@ def test_configuration_errors() -> None:
 
 
 def test_closed_tier_refuses_use() -> None:
-    gpu = GpuTier(n_slots=2, slot_bytes=BPB)
+    gpu = GpuTier(n_slots=2, slot_bytes=BPB, device=CPU)
     gpu.put(chain_blocks(1))
     gpu.close()
     gpu.close()
@@ -193,7 +223,7 @@ def test_closed_tier_refuses_use() -> None:
 
 
 def test_prefix_aware_policy_evicts_chain_tails_first() -> None:
-    gpu = GpuTier(n_slots=3, slot_bytes=BPB, policy="prefix-aware")
+    gpu = GpuTier(n_slots=3, slot_bytes=BPB, policy="prefix-aware", device=CPU)
     chain = chain_blocks(3)
     gpu.put(chain)
     other = chain_blocks(1, token_base=500)

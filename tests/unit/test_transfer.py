@@ -183,6 +183,60 @@ def test_released_transfer_and_lease_refuse_use(engine: TransferEngine) -> None:
         engine.scatter(random_pages(1), pages, [0]).host_rows()
 
 
+def test_failed_copy_hands_its_staging_back(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that raises mid-transfer (a launch error, an OOM) leaves no buffer lent and the engine usable.
+
+    On CUDA the id copy is already queued when the page copy raises: the buffer must come back
+    fenced behind it (counted in flight), not idle, or the next lease could rewrite its id rows.
+    """
+    pages = random_pages(16, device=engine.device.type)
+    ids = [9, 2, 15, 4]  # scattered: the ids travel to the device before the page copy runs
+
+    def boom(*_args: object) -> None:
+        raise RuntimeError("simulated launch failure")
+
+    after: tuple[Completion, ...] = ()
+    if engine.cuda:  # hold the lane back, so the queued id copy is still pending when we look
+        side = torch.cuda.Stream(engine.device)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)
+        after = (Completion.record(side),)
+    monkeypatch.setattr(engine.copier, "copy", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.gather(pages, ids, after=after, wait_current=False)
+    assert engine.staging.lent == 0
+    if engine.cuda:
+        assert engine.staging.inflight_bytes == len(ids) * PB, "released fenced, not as idle"
+        after[0].wait()
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.scatter(random_pages(4, seed=1), pages, ids)
+    layers = [random_pages(8, device=engine.device.type, seed=i) for i in range(3)]
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.copy_layers(layers, [1, 2], [torch.zeros_like(t) for t in layers], [3, 0])
+    assert engine.staging.lent == 0
+    monkeypatch.undo()
+    with engine.gather(pages, ids) as t:
+        assert torch.equal(t.host_rows(), pages.cpu()[ids])
+
+
+def test_copy_layers_borrows_only_each_layers_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = small_engine()
+    submit = eng._submit
+    borrowed_per_call: list[tuple[torch.Tensor, ...]] = []
+
+    def spy(lane, work, after, wait_current, borrowed=(), lease=None):
+        borrowed_per_call.append(tuple(borrowed))
+        return submit(lane, work, after, wait_current, borrowed, lease=lease)
+
+    monkeypatch.setattr(eng, "_submit", spy)
+    src = [random_pages(5, pb=64, seed=i) for i in range(4)]
+    dst = [torch.zeros(5, 64, dtype=torch.uint8) for _ in range(4)]
+    eng.copy_layers(src, [0, 1], dst, [2, 3]).wait()
+    assert len(borrowed_per_call) == 4
+    for layer, got in enumerate(borrowed_per_call):
+        assert len(got) == 2 and got[0] is src[layer] and got[1] is dst[layer]
+
+
 # -- staging, back-pressure ------------------------------------------------------------------------------
 
 
