@@ -1,4 +1,7 @@
-"""CPU RAM tier with a byte budget (pinned host memory when CUDA is present)."""
+"""CPU RAM tier with a byte budget, in recycled host slabs.
+
+Slabs are pageable: the GPU tier stages its copies through its own pinned buffers.
+"""
 
 from __future__ import annotations
 
