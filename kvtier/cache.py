@@ -136,6 +136,80 @@ class MissRateLimiter:
                 q.popleft()
 
 
+class TimingGuard:
+    """The timing mitigations as every read path applies them: KVCache, and the daemon's service.
+
+    Invariants: a rate-limit refusal (``admit``) is decided before any tier is touched, so it
+    carries no hit/miss signal; ``lookup`` never walks the public blocks of a chain that starts
+    with fewer than ``min_public_prefix_blocks`` of them unless the caller's own continuation is
+    cached; ``count`` is told of every refusal and every hidden hit. Thread-safe (the limiter
+    locks; the rest is stateless).
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        mitigations: TimingMitigations,
+        count: Callable[[str, int], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.mitigations = mitigations
+        m = mitigations
+        self.limiter = MissRateLimiter(m.miss_limit, m.miss_window_s, clock) if m.miss_limit else None
+        self._count = count
+
+    def admit(self, principal: Principal) -> None:
+        """Raise RateLimited while ``principal`` is over its missed-lookup budget."""
+        if self.limiter is None:
+            return
+        try:
+            self.limiter.check(principal.id)
+        except RateLimited:
+            self._count("rate_limited", 1)
+            raise
+
+    def served(self, principal: Principal, hit: int, wanted: int) -> None:
+        """Record the outcome of a lookup or load: short of ``wanted`` is a miss."""
+        if self.limiter is not None and hit < wanted:
+            self.limiter.record_miss(principal.id)
+
+    def hides_public_keys(self) -> bool:
+        """Whether a read of single public blocks by key must be refused: a key alone does not
+        say how long a public prefix it ends, so the minimum-prefix rule cannot be checked."""
+        return self.mitigations.min_public_prefix_blocks > 0
+
+    def lookup(self, keys: Sequence[BlockKey], readable: dict[ScopeDomain, Scope]) -> Lookup:
+        """``store.lookup`` under the minimum public-prefix rule.
+
+        A chain that starts with fewer than ``need`` public blocks gets a public-only hit hidden.
+        Hiding the *result* is not enough: the walk over cached public blocks takes time, so such a
+        probe must not touch the public blocks at all. The store is asked first only for the
+        principal's own block right after the public part; if that is absent (always, for a
+        prober), the answer is a miss without looking at any shared block, in the same time
+        whether the public prefix is cached or not.
+        """
+        need = self.mitigations.min_public_prefix_blocks
+        public = 0
+        if need:
+            for k in keys:
+                if readable.get(key_domain(k)) != PUBLIC:
+                    break
+                public += 1
+        if not 0 < public < need:
+            return self.store.lookup(keys)
+        if public == len(keys) or self.store.lookup(keys[public : public + 1]).length == 0:
+            self._count("public_probe_hidden", 1)
+            return Lookup((), len(keys))
+        lk = self.store.lookup(keys)
+        if lk.length <= public:
+            # The principal's own continuation exists but a public block before it does not: the
+            # hit would lie in public blocks only, so it is hidden as well.
+            self._count("public_hit_suppressed", 1)
+            return Lookup((), len(keys))
+        return lk
+
+
 # =================================================================================================
 # Purge
 # =================================================================================================
@@ -312,11 +386,11 @@ class KVCache:
             if tag in self._layouts and self._layouts[tag] != lay:
                 raise ConfigError(f"two layouts share the tag {tag.hex()}")
             self._layouts[tag] = lay
-        m = self.options.mitigations
-        self._limiter = MissRateLimiter(m.miss_limit, m.miss_window_s, self.options.clock) if m.miss_limit else None
         self.journal = PurgeJournal(self.options.journal_dir)
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        #: The timing mitigations; the daemon's service applies the same guard to its reads.
+        self.guard = TimingGuard(store, self.options.mitigations, self._count, self.options.clock)
         self.resumed: list[PurgeReport] = self.resume_purges()
 
     # -- keys -------------------------------------------------------------------------------------
@@ -366,8 +440,8 @@ class KVCache:
         rate limit.
         """
         keys, readable = self._readable_prefix(principal, chain)
-        lk = self._mitigated_lookup(keys, readable)
-        self._after(principal, lk.length, len(chain))
+        lk = self.guard.lookup(keys, readable)
+        self.guard.served(principal, lk.length, len(chain))
         return Lookup(lk.runs, len(chain))
 
     def load(
@@ -391,9 +465,9 @@ class KVCache:
                 self._count("denied")
                 raise AccessDenied(f"block {i} of the chain is in a scope principal {principal.id} cannot read")
         keys, _ = self._readable_prefix(principal, chain[:n], readable=readable)
-        lk = self._mitigated_lookup(keys, readable)
+        lk = self.guard.lookup(keys, readable)
         blocks = self.store.get(keys[: lk.length], domains=[key_domain(k) for k in keys[: lk.length]], lookup=lk)
-        self._after(principal, len(blocks), n)
+        self.guard.served(principal, len(blocks), n)
         return blocks
 
     def _readable_prefix(
@@ -404,12 +478,7 @@ class KVCache:
         readable: dict[ScopeDomain, Scope] | None = None,
     ) -> tuple[list[BlockKey], dict[ScopeDomain, Scope]]:
         self.policy.require_active(principal)
-        if self._limiter is not None:
-            try:
-                self._limiter.check(principal.id)
-            except RateLimited:
-                self._count("rate_limited")
-                raise
+        self.guard.admit(principal)
         if readable is None:
             readable = self.policy.readable_domains(principal)
         keys: list[BlockKey] = []
@@ -424,40 +493,6 @@ class KVCache:
                 break
             keys.append(cb.key)
         return keys, readable
-
-    def _mitigated_lookup(self, keys: list[BlockKey], readable: dict[ScopeDomain, Scope]) -> Lookup:
-        """``store.lookup`` under the minimum public-prefix rule.
-
-        A chain that starts with fewer than ``need`` public blocks gets a public-only hit hidden.
-        Hiding the *result* is not enough: the walk over cached public blocks takes time, so such a
-        probe must not touch the public blocks at all. The store is asked first only for the
-        principal's own block right after the public part; if that is absent (always, for a
-        prober), the answer is a miss without looking at any shared block, in the same time
-        whether the public prefix is cached or not.
-        """
-        need = self.options.mitigations.min_public_prefix_blocks
-        public = 0
-        if need:
-            for k in keys:
-                if readable.get(key_domain(k)) != PUBLIC:
-                    break
-                public += 1
-        if not 0 < public < need:
-            return self.store.lookup(keys)
-        if public == len(keys) or self.store.lookup(keys[public : public + 1]).length == 0:
-            self._count("public_probe_hidden")
-            return Lookup((), len(keys))
-        lk = self.store.lookup(keys)
-        if lk.length <= public:
-            # The principal's own continuation exists but a public block before it does not: the
-            # hit would lie in public blocks only, so it is hidden as well.
-            self._count("public_hit_suppressed")
-            return Lookup((), len(keys))
-        return lk
-
-    def _after(self, principal: Principal, hit: int, wanted: int) -> None:
-        if self._limiter is not None and hit < wanted:
-            self._limiter.record_miss(principal.id)
 
     # -- writes -----------------------------------------------------------------------------------
     def save(

@@ -216,6 +216,19 @@ class SecurityConfig:
         "Default: <tiers.disk.path>/audit.log when there is a disk tier.",
         kind="path",
     )
+    min_public_prefix_blocks: int = _f(
+        0,
+        "Timing mitigation: a hit lying entirely in public blocks is served only when it covers at least "
+        "this many blocks; 0: off. While on, per-key Gets (not prefix Gets) of public blocks return misses.",
+        check=in_range(0, 1 << 20),
+    )
+    miss_limit: int = _f(
+        0,
+        "Timing mitigation: lookups and gets ending in a miss allowed per principal per miss_window_s; "
+        "further reads are refused (RESOURCE_EXHAUSTED) until the window slides. 0: off.",
+        check=in_range(0, 1 << 30),
+    )
+    miss_window_s: float = _f(60.0, "The window of miss_limit, in seconds.", check=positive)
 
 
 @dataclass(slots=True, frozen=True)

@@ -25,6 +25,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvtier.cache import TimingMitigations
 from kvtier.config import DaemonConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.hostmem import tune_malloc_for_large_blocks
@@ -80,7 +81,7 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        s = config.server
+        s, sec = config.server, config.security
         self.backend = Backend.open(config)
         try:
             a = config.auth
@@ -101,6 +102,8 @@ class Daemon:
             # A put commits well before its buffered blocks approach the per-client budget.
             limits=ServiceLimits(chunk_bytes=s.chunk_bytes,
                                  put_batch_bytes=max(1, min(16 << 20, s.max_inflight_bytes_per_client // 4))),
+            mitigations=TimingMitigations(min_public_prefix_blocks=sec.min_public_prefix_blocks,
+                                          miss_limit=sec.miss_limit or None, miss_window_s=sec.miss_window_s),
         ))
         self.health = health.HealthServicer()
         self._server: grpc.Server | None = None

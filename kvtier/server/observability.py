@@ -26,7 +26,8 @@ from kvtier.tier import Tier
 
 
 class ServerMetrics:
-    """Per-method call counters and latency; failures by status code.
+    """Per-method call counters and latency; failures by status code; what the timing
+    mitigations hid or refused.
 
     Invariant: every counter only grows; all mutation happens under ``_lock``.
     """
@@ -36,6 +37,11 @@ class ServerMetrics:
         self.calls: Counter[str] = Counter()
         self.failures: Counter[tuple[str, str]] = Counter()
         self.latency: dict[str, Histogram] = {}
+        self.mitigations: Counter[str] = Counter()
+
+    def mitigated(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.mitigations[what] += n
 
     def call_started(self, method: str) -> None:
         with self._lock:
@@ -59,6 +65,7 @@ class ServerMetrics:
                 "errors": dict(errors),
                 "failures": {f"{m}:{c}": n for (m, c), n in self.failures.items()},
                 "latency": {m: (list(h.counts), h.total, h.n) for m, h in self.latency.items()},
+                "mitigations": dict(self.mitigations),
             }
 
 
@@ -148,7 +155,11 @@ class DaemonCollector(Collector):
         refused = CounterMetricFamily("kvtier_overload_refusals", "Calls refused by a limit", labels=["limit"])
         refused.add_metric(["inflight_bytes"], float(g.refused_bytes()))
         refused.add_metric(["concurrency"], float(g.refused_concurrency()))
-        yield from (calls, errs, lat, inflight, active, refused)
+        mitigated = CounterMetricFamily("kvtier_timing_mitigations", "Reads the timing mitigations hid or refused",
+                                        labels=["what"])
+        for what, n in snap["mitigations"].items():
+            mitigated.add_metric([what], float(n))
+        yield from (calls, errs, lat, inflight, active, refused, mitigated)
 
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:

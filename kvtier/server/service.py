@@ -13,8 +13,11 @@ bytes; the caller's usable domains come from its verified principal (``Policy.re
   usage for the caller's own domains only (operators: all, as opaque ids).
 Put commits whole, verified blocks in batches as they arrive: a stream that fails part-way may
 leave earlier blocks stored (each whole), never a partial block.
-Not applied here: KVCache's optional timing mitigations (minimum public prefix, missed-lookup
-rate limit); a per-key Get would need its own rule for them.
+Timing mitigations (``TimingGuard``, KVCache's own rules): Lookup and Get are refused while the
+caller is over its missed-read budget (decided before any tier is touched) and count a miss when
+they come back short; Lookup and prefix Gets apply the minimum public-prefix rule. A per-key Get
+cannot (a key alone does not say how long a public prefix it ends), so while that rule is on it
+answers public keys as misses without touching a tier.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from kvtier.block import Block, BlockMeta
+from kvtier.cache import TimingGuard, TimingMitigations
 from kvtier.errors import AccessDenied, InvalidRequest
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
@@ -87,6 +91,7 @@ class ServiceParts:
     concurrency: ConcurrencyLimit
     metrics: ServerMetrics
     limits: ServiceLimits
+    mitigations: TimingMitigations = field(default_factory=TimingMitigations)
 
 
 class RevokeRule(ABC):
@@ -150,6 +155,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         self._local_names = {t.name for t in self._local}
         first = self.store.tiers[0]
         self._hot: FrameSource | None = first if isinstance(first, FrameSource) else None
+        self.guard = TimingGuard(self.store, parts.mitigations, parts.metrics.mitigated)
 
     # -- access -----------------------------------------------------------------------------------
     def _domains(self, p: Principal) -> dict[ScopeDomain, Scope]:
@@ -179,8 +185,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     # -- lookup -----------------------------------------------------------------------------------
     def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
         keys = check_keys(request.keys, self.limits.max_keys)
-        n = self._usable(keys, self._domains(call.principal))
-        lk = self.store.lookup(keys[:n])
+        self.guard.admit(call.principal)
+        readable = self._domains(call.principal)
+        n = self._usable(keys, readable)
+        lk = self.guard.lookup(keys[:n], readable)
+        self.guard.served(call.principal, lk.length, len(keys))
         runs = [pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in lk.runs]
         return pb.LookupResponse(length=lk.length, runs=runs, readable=n)
 
@@ -188,16 +197,22 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     def Get(self, request: pb.GetRequest, call: Call) -> Iterator[pb.BlockChunk]:
         keys = check_keys(request.keys, self.limits.max_keys)
         self._require_readable(call.principal, keys)
-        if request.mode == pb.GET_MODE_EACH:
-            yield from self._get_each(keys, call)
-        elif request.mode == pb.GET_MODE_PREFIX:
-            yield from self._get_prefix(keys, call)
-        else:
+        if request.mode not in (pb.GET_MODE_EACH, pb.GET_MODE_PREFIX):
             raise InvalidRequest(f"unknown get mode {request.mode}")
+        self.guard.admit(call.principal)
+        sent = [0]  # blocks streamed; a stream that ends early (however) counts as a miss
+        try:
+            if request.mode == pb.GET_MODE_EACH:
+                yield from self._get_each(keys, call, sent)
+            else:
+                yield from self._get_prefix(keys, call, sent)
+        finally:
+            self.guard.served(call.principal, sent[0], len(keys))
 
-    def _get_prefix(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame | bytes]:
-        n = self._usable(keys, self._domains(call.principal))
-        lk = self.store.lookup(keys[:n])
+    def _get_prefix(self, keys: list[BlockKey], call: Call, sent: list[int]) -> Iterator[ChunkFrame | bytes]:
+        readable = self._domains(call.principal)
+        n = self._usable(keys, readable)
+        lk = self.guard.lookup(keys[:n], readable)
         want = keys[: lk.length]
         step = self.limits.get_batch_blocks
         # Pinned for the whole stream: a block promised by this lookup is not evicted before it
@@ -220,17 +235,27 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                     blocks = self.store.get(rest, domains=[key_domain(x) for x in rest], lookup=_slice(lk, a + k, b))
                     items += [(a + k + i, blk) for i, blk in enumerate(blocks)]
                 yield from self._send(call, items)
+                sent[0] += len(items)
                 if len(items) < len(part):
                     return  # a block vanished or failed verification: the prefix ends here
 
-    def _get_each(self, keys: list[BlockKey], call: Call) -> Iterator[ChunkFrame | bytes]:
+    def _get_each(self, keys: list[BlockKey], call: Call, sent: list[int]) -> Iterator[ChunkFrame | bytes]:
         fence = self.store.fence
         step = self.limits.get_batch_blocks
+        hidden = self._public_domains(call.principal) if self.guard.hides_public_keys() else frozenset()
         with self.store.pins.hold(keys):
             for a in range(0, len(keys), step):
                 call.check_deadline()
-                part = [(a + i, k) for i, k in enumerate(keys[a : a + step]) if not fence.is_closed(key_domain(k))]
-                yield from self._send(call, self._read_each(part))
+                batch = list(enumerate(keys[a : a + step], a))
+                if hidden and (n_hidden := sum(key_domain(k) in hidden for _, k in batch)):
+                    self.parts.metrics.mitigated("public_key_get_hidden", n_hidden)
+                part = [(i, k) for i, k in batch if key_domain(k) not in hidden and not fence.is_closed(key_domain(k))]
+                items = self._read_each(part)
+                yield from self._send(call, items)
+                sent[0] += len(items)
+
+    def _public_domains(self, p: Principal) -> frozenset[ScopeDomain]:
+        return frozenset(d for d, scope in self._domains(p).items() if scope.kind == ScopeKind.PUBLIC)
 
     def _read_each(self, part: list[tuple[int, BlockKey]]) -> list[tuple[int, Block | WireFrame]]:
         """Each key from the fastest tier that has it; one batched get per tier for what is left."""

@@ -195,7 +195,7 @@ def test_min_public_prefix_hides_short_public_hits(tmp_path) -> None:
 def test_miss_rate_limit_refuses_after_n_misses_per_window(tmp_path) -> None:
     now = [1000.0]
     rig = CacheRig(tmp_path, ("memory",), mitigations=TimingMitigations(miss_limit=3, miss_window_s=10))
-    rig.cache._limiter = MissRateLimiter(3, 10, clock=lambda: now[0])
+    rig.cache.guard.limiter = MissRateLimiter(3, 10, clock=lambda: now[0])
     try:
         cached = rig.save_request(ALICE)
         for _ in range(5):
