@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.keys import BlockKey
 from kvtier.server.wire import WireFrame, wire_frame
-from storage_backends.memory import MemoryTier, slab_dtype
+from storage_backends.memory import MemoryTier, copy_from_bytes, slab_dtype
 
 
 class FrameMemoryTier(MemoryTier):
@@ -44,12 +43,7 @@ class FrameMemoryTier(MemoryTier):
         return wire_frame(block)
 
     def _copy_out(self, held: WireFrame, dest: torch.Tensor) -> None:
-        # numpy reads the immutable bytes without making a (writable) tensor over them.
-        src = np.frombuffer(held.data, dtype=np.uint8, count=held.nbytes, offset=held.payload_offset)
-        if dest.device.type == "cpu":
-            np.copyto(dest.numpy(), src)
-        else:
-            dest.copy_(torch.from_numpy(src.copy()))
+        copy_from_bytes(held.data, held.payload_offset, dest)
 
     def _evicted_block(self, meta: BlockMeta, held: WireFrame) -> Block:
         data = torch.empty(meta.shape, dtype=slab_dtype(meta))

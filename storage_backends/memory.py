@@ -1,15 +1,20 @@
-"""CPU RAM tier with a byte budget, in recycled host slabs.
+"""The RAM tiers' common body (``InProcessTier``) and the CPU RAM tier with a byte budget, in
+recycled host slabs (``MemoryTier``).
 
-Slabs are pageable: the GPU tier stages its copies through its own pinned buffers.
+Slabs are pageable: the GPU tier stages its copies through its own pinned buffers. The other
+RAM tiers hold payloads their own way: ``FrameMemoryTier`` as ready-to-send gRPC frames (the
+daemon), ``MetaTier`` as small immutable bytes counted in blocks (trace replay).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
@@ -23,27 +28,20 @@ from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
 T = TypeVar("T")
 
 
-class MemoryTier(IndexedTier):
-    """Blocks in host RAM, bounded by ``capacity_bytes``.
+class InProcessTier(IndexedTier):
+    """Blocks held in this process, in a dict under one lock, with an eviction policy: what the
+    RAM tiers share. How a payload is held is four hooks (``_keep``, ``_copy_out``,
+    ``_evicted_block``, ``_discard``) and the bound two (``_fits``, ``_full``).
 
-    Invariants (all under ``_lock``): ``_index.used`` is the sum of stored payload bytes and never
-    exceeds the capacity; ``_index`` indexes exactly the keys in ``_blocks``; every stored
-    key is known to the eviction policy. Payloads live in slabs from the pool and are copied on
-    the way in and out, so an eviction never changes bytes a caller holds.
-
-    How a payload is held is four small hooks (``_keep``, ``_copy_out``, ``_evicted_block``,
-    ``_discard``); a subclass may hold it another way (``FrameMemoryTier``: ready-to-send frames).
+    Invariants (all under ``_lock``): the bound holds after every put; ``_index`` indexes exactly
+    the keys in ``_blocks`` with their payload bytes; every stored key is known to the eviction
+    policy. Payloads are copied on the way in and out, so an eviction never changes bytes a
+    caller holds.
     """
 
-    name = "memory"
-
-    def __init__(self, capacity_bytes: int, *, policy: str = "lru", pool: HostSlabPool | None = None) -> None:
+    def __init__(self, policy: str) -> None:
         super().__init__()
-        if capacity_bytes <= 0:
-            raise ValueError("MemoryTier capacity_bytes must be positive")
-        self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy)
-        self.pool = pool or HostSlabPool(max_free_bytes=min(capacity_bytes, 1 << 30))
         self._blocks: dict[BlockKey, tuple[BlockMeta, Any]] = {}
         self._index = DomainIndex()
         self._lock = threading.RLock()
@@ -128,22 +126,29 @@ class MemoryTier(IndexedTier):
             self._blocks.clear()
             self._index.clear()
 
-    # -- how a payload is held (a subclass may hold it another way) -------------------------------
+    # -- the hooks --------------------------------------------------------------------------------
+    @abstractmethod
     def _keep(self, block: Block) -> Any:
-        slab = self.pool.take(block.nbytes)
-        slab.copy_(block.data.reshape(-1).view(torch.uint8))
-        return slab
+        """The payload of ``block`` as this tier holds it (a copy)."""
 
+    @abstractmethod
     def _copy_out(self, held: Any, dest: torch.Tensor) -> None:
         """Copy a held payload into ``dest`` (flat uint8 of the payload's size)."""
-        dest.copy_(held)
 
+    @abstractmethod
     def _evicted_block(self, meta: BlockMeta, held: Any) -> Block:
         """An evicted payload as a Block to spill down (it is no longer this tier's)."""
-        return Block(meta, held.view(slab_dtype(meta)).reshape(meta.shape))
 
     def _discard(self, held: Any) -> None:
-        self.pool.release(held)
+        """A payload the tier no longer holds (deleted, or evicted without a spill)."""
+
+    @abstractmethod
+    def _fits(self, n: int) -> bool:
+        """Whether a block of ``n`` bytes could ever be stored (with everything else evicted)."""
+
+    @abstractmethod
+    def _full(self, n: int) -> bool:
+        """Whether storing ``n`` more bytes now would break the bound."""
 
     # -- internals ------------------------------------------------------------------------------
     def _drop(self, key: BlockKey) -> tuple[BlockMeta, Any]:
@@ -152,9 +157,9 @@ class MemoryTier(IndexedTier):
         return meta, held
 
     def _make_room(self, n: int, batch: set[BlockKey], res: PutResult) -> bool:
-        if n > self.capacity_bytes:
+        if not self._fits(n):
             return False
-        while self._index.used + n > self.capacity_bytes:
+        while self._full(n):
             victim = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
             if victim is None:
                 return False
@@ -165,6 +170,53 @@ class MemoryTier(IndexedTier):
             else:
                 self._discard(held)
         return True
+
+
+class MemoryTier(InProcessTier):
+    """Blocks in host RAM, bounded by ``capacity_bytes`` (``_index.used`` never exceeds it).
+
+    Payloads live in slabs from the pool; a subclass may hold them another way
+    (``FrameMemoryTier``: ready-to-send frames).
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int, *, policy: str = "lru", pool: HostSlabPool | None = None) -> None:
+        super().__init__(policy)
+        if capacity_bytes <= 0:
+            raise ValueError("MemoryTier capacity_bytes must be positive")
+        self.capacity_bytes = capacity_bytes
+        self.pool = pool or HostSlabPool(max_free_bytes=min(capacity_bytes, 1 << 30))
+
+    def _keep(self, block: Block) -> Any:
+        slab = self.pool.take(block.nbytes)
+        slab.copy_(block.data.reshape(-1).view(torch.uint8))
+        return slab
+
+    def _copy_out(self, held: Any, dest: torch.Tensor) -> None:
+        dest.copy_(held)
+
+    def _evicted_block(self, meta: BlockMeta, held: Any) -> Block:
+        return Block(meta, held.view(slab_dtype(meta)).reshape(meta.shape))
+
+    def _discard(self, held: Any) -> None:
+        self.pool.release(held)
+
+    def _fits(self, n: int) -> bool:
+        return n <= self.capacity_bytes
+
+    def _full(self, n: int) -> bool:
+        return self._index.used + n > self.capacity_bytes
+
+
+def copy_from_bytes(src: bytes, offset: int, dest: torch.Tensor) -> None:
+    """Copy ``dest.numel()`` bytes of immutable ``src``, from ``offset``, into flat uint8 ``dest``.
+    numpy reads the bytes in place without making a (writable) tensor over them."""
+    view = np.frombuffer(src, dtype=np.uint8, count=dest.numel(), offset=offset)
+    if dest.device.type == "cpu":
+        np.copyto(dest.numpy(), view)
+    else:
+        dest.copy_(torch.from_numpy(view.copy()))
 
 
 def slab_dtype(meta: BlockMeta) -> torch.dtype:
