@@ -229,6 +229,12 @@ class SecurityConfig:
         check=in_range(0, 1 << 30),
     )
     miss_window_s: float = _f(60.0, "The window of miss_limit, in seconds.", check=positive)
+    revocation_sync_s: float = _f(
+        5.0,
+        "How often revocations and grants made on other nodes are read from the remote tier's bucket (this "
+        "node's are published there as they happen); 0: off. Without tiers.remote they reach a node at restart.",
+        check=in_range(0, 3600),
+    )
 
 
 @dataclass(slots=True, frozen=True)

@@ -146,6 +146,11 @@ class DomainDeriver:
         mac = hmac.new(self._secret, b"kvtier-scope-v1\x00" + str(scope).encode(), hashlib.sha256)
         return ScopeDomain(mac.digest()[:DOMAIN_BYTES])
 
+    def subkey(self, label: str) -> bytes:
+        """A 32-byte key for another purpose of the same deployment (``label`` names it), so
+        nodes that share the secret share the key and nothing else can make it."""
+        return hmac.new(self._secret, b"kvtier-subkey-v1\x00" + label.encode(), hashlib.sha256).digest()
+
     def __repr__(self) -> str:  # never print the secret
         return "DomainDeriver(<secret>)"
 

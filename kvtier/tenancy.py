@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -162,30 +163,61 @@ _PRINCIPAL, _TENANT, _CREDENTIAL = "principal:", "tenant:", "credential:"
 _DOMAIN_CACHE_MAX = 65536
 
 
+@dataclass(slots=True, frozen=True)
+class RevocationChange:
+    """One revoke or grant as it travels between nodes: what, who did it, and when and where it
+    was made (``at``, ``origin``), which orders it against other changes of the same target."""
+
+    target: str
+    revoked: bool
+    at: float
+    origin: str
+    actor: str
+    reason: str = ""
+
+    @property
+    def stamp(self) -> tuple[float, str]:
+        return (self.at, self.origin)
+
+
+#: Told of each change made on this node, after it is recorded and applied (it may raise: the
+#: change then stands here, and the error says it did not reach the other nodes).
+ChangeListener = Callable[[RevocationChange], None]
+
+
 class Policy:
     """One decision function per operation, used on every path of every tier and of the directory.
 
     Invariants: a revoked principal (or every principal of a revoked tenant, or a revoked
     credential) is refused everything until re-granted, even while its blocks remain stored.
-    ``_revoked`` is guarded by ``_lock`` and mutated only by grant/revoke, each of which is first
-    appended to the audit log (when one is configured) and then applied, so the persisted log is
-    never behind the in-memory state; on start the state is rebuilt by replaying the log.
-    Revocation is immediate within this process; other processes see it on their next start (or
-    through short credential expiry), see docs/security.md.
+    ``_revoked`` and ``_stamps`` are guarded by ``_lock`` and mutated only by grant/revoke and by
+    ``apply_remote``, each of which is first appended to the audit log (when one is configured)
+    and then applied, so the persisted log is never behind the in-memory state; on start the
+    state is rebuilt by replaying the log. Revocation is immediate within this process; other
+    nodes learn it through ``on_change`` (a revocation feed, kvtier/server/revocations.py) or on
+    their next start. Changes of one target are ordered by their stamp ``(at, origin)``: a
+    change older than the last one applied to its target is ignored (last writer wins), so nodes
+    that see the same changes in any order agree.
     """
 
-    def __init__(self, deriver: DomainDeriver, *, audit: AuditLog | None = None) -> None:
+    def __init__(self, deriver: DomainDeriver, *, audit: AuditLog | None = None, node: str = "local",
+                 clock: Callable[[], float] = time.time) -> None:
         self.deriver = deriver
         self.audit = audit
+        self.node = node
+        self.on_change: ChangeListener | None = None
+        self._clock = clock
         self._revoked: set[str] = set()
+        self._stamps: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
         self._domains: dict[Scope, ScopeDomain] = {}
         if audit is not None:
+            # Every recorded change was applied when it was recorded: replaying in order rebuilds
+            # the state and the stamps exactly.
             for ev in audit.events():
-                if ev.action == "revoke":
-                    self._revoked.add(ev.target)
-                elif ev.action == "grant":
-                    self._revoked.discard(ev.target)
+                if ev.action in ("revoke", "grant"):
+                    stamp = (float(ev.detail.get("origin_at", ev.at)), str(ev.detail.get("origin", "")))
+                    self._apply(ev.target, ev.action == "revoke", stamp)
 
     # -- decisions --------------------------------------------------------------------------------
     def is_active(self, p: Principal) -> bool:
@@ -264,14 +296,37 @@ class Policy:
         with self._lock:
             return frozenset(self._revoked)
 
+    def apply_remote(self, change: RevocationChange) -> bool:
+        """Apply a change another node made; False (and nothing recorded) when a change of the
+        same target at least as recent is already applied."""
+        with self._lock:
+            if change.stamp <= self._stamps.get(change.target, (float("-inf"), "")):
+                return False
+            if self.audit is not None:
+                self.audit.append(change.actor, "revoke" if change.revoked else "grant", change.target,
+                                  reason=change.reason, origin=change.origin, origin_at=change.at)
+            self._apply(change.target, change.revoked, change.stamp)
+            return True
+
     def _set(self, target: str, revoked: bool, actor: str, reason: str) -> None:
         with self._lock:
+            # Strictly after the target's last stamp, even if the clock stepped back or did not move.
+            last = self._stamps.get(target)
+            at = self._clock() if last is None else max(self._clock(), last[0] + 1e-6)
+            change = RevocationChange(target, revoked, at, self.node, actor, reason)
             if self.audit is not None:
-                self.audit.append(actor, "revoke" if revoked else "grant", target, reason=reason)
-            if revoked:
-                self._revoked.add(target)
-            else:
-                self._revoked.discard(target)
+                self.audit.append(actor, "revoke" if revoked else "grant", target, reason=reason,
+                                  origin=self.node, origin_at=at)
+            self._apply(target, revoked, change.stamp)
+        if self.on_change is not None:
+            self.on_change(change)
+
+    def _apply(self, target: str, revoked: bool, stamp: tuple[float, str]) -> None:
+        self._stamps[target] = stamp
+        if revoked:
+            self._revoked.add(target)
+        else:
+            self._revoked.discard(target)
 
 
 def _principal_id(principal_id: str) -> str:

@@ -9,6 +9,8 @@ Everything opened is closed by ``close()`` in reverse order, also when opening f
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from kvtier.crypto import (
 )
 from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver
+from kvtier.server.revocations import RevocationSync
 from kvtier.server.service import PurgeOutcome
 from kvtier.store import TieredStore
 from kvtier.tenancy import Policy, Principal
@@ -35,6 +38,7 @@ from storage_backends.frame_memory import FrameMemoryTier
 from storage_backends.lmdb import LmdbTier
 from storage_backends.s3 import S3Config, S3Tier
 from storage_backends.s3_keys import S3WrappedKeyStore
+from storage_backends.s3_revocations import S3RevocationFeed
 
 MIN_SERVER_SECRET = 16
 
@@ -82,6 +86,8 @@ class Backend:
     local_tiers: list[Tier]
     keyring: KeyRing | None
     audit: AuditLog | None
+    #: Revocations shared with the other nodes of the bucket (None: no remote tier, or turned off).
+    revocations: RevocationSync | None = None
     _closers: list[Callable[[], object]] = field(default_factory=list)
 
     @classmethod
@@ -102,7 +108,7 @@ class Backend:
         if config.audit_log_path:
             audit = AuditLog(config.audit_log_path)
             closers.append(audit.close)
-        policy = Policy(deriver, audit=audit)
+        policy = Policy(deriver, audit=audit, node=_node_name())
         s3cfg = s3_config(config) if tiers.remote is not None else None
         keyring = None
         if config.encrypting:
@@ -133,7 +139,13 @@ class Backend:
             raise
         closers.append(store.close)  # drains remote uploads, then closes every tier
         cache = KVCache(store, (), policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path))
-        return cls(store, policy, cache, local, keyring, audit, closers)
+        sync = None
+        if s3cfg is not None and sec.revocation_sync_s > 0:
+            feed = S3RevocationFeed(s3cfg, deriver.subkey("revocation-feed"))
+            sync = RevocationSync(policy, feed, sec.revocation_sync_s)
+            closers.append(sync.close)
+            sync.start()
+        return cls(store, policy, cache, local, keyring, audit, sync, closers)
 
     def purge(self, actor: Principal, scope: str, reason: str) -> PurgeOutcome:
         """KVCache.purge: policy check, journal, write fence, data keys destroyed, every tier
@@ -145,6 +157,11 @@ class Backend:
         closers, self._closers = self._closers, []
         for close in reversed(closers):
             close()
+
+
+def _node_name() -> str:
+    """This process among the nodes of a bucket: host, pid and a random tag (unique per start)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callable[[], object]]) -> KeyRing:

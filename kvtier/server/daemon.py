@@ -111,6 +111,10 @@ class Daemon:
         self._stopped = threading.Event()
         self.port = 0
 
+    def _revocation_counts(self) -> dict[str, int]:
+        sync = self.backend.revocations
+        return {} if sync is None else sync.snapshot()
+
     @property
     def store(self) -> Any:
         return self.backend.store
@@ -159,7 +163,8 @@ class Daemon:
                                         self.metrics, ServerGauges(lambda: self.budget.in_flight,
                                                                    lambda: self.concurrency.active,
                                                                    lambda: self.budget.refused,
-                                                                   lambda: self.concurrency.refused))
+                                                                   lambda: self.concurrency.refused,
+                                                                   self._revocation_counts))
             self._metrics_endpoint = MetricsEndpoint(collector, host.strip("[]"), int(port))
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

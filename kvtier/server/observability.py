@@ -81,6 +81,8 @@ class ServerGauges:
     active_rpcs: Callable[[], int]
     refused_bytes: Callable[[], int]
     refused_concurrency: Callable[[], int]
+    #: RevocationSync counts (published, applied, stale, rejected, read/publish errors); {} without a feed.
+    revocation_sync: Callable[[], dict[str, int]] = dict
 
 
 class DaemonCollector(Collector):
@@ -159,7 +161,11 @@ class DaemonCollector(Collector):
                                         labels=["what"])
         for what, n in snap["mitigations"].items():
             mitigated.add_metric([what], float(n))
-        yield from (calls, errs, lat, inflight, active, refused, mitigated)
+        sync = CounterMetricFamily("kvtier_revocation_sync", "Revocations shared with other nodes, by outcome",
+                                   labels=["outcome"])
+        for outcome, n in g.revocation_sync().items():
+            sync.add_metric([outcome], float(n))
+        yield from (calls, errs, lat, inflight, active, refused, mitigated, sync)
 
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:

@@ -24,16 +24,19 @@ def test_collector_reads_live_tier_and_server_state() -> None:
     server.call_started("/kvtier.v1.KvCache/Get")
     server.call_failed("/kvtier.v1.KvCache/Get", "PERMISSION_DENIED")
     server.call_finished("/kvtier.v1.KvCache/Get", 0.003)
+    server.mitigated("public_probe_hidden", 2)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(DaemonCollector([tier], {"memory"}, server, ServerGauges(lambda: 7, lambda: 1, lambda: 2,
-                                                                           lambda: 3)))
+                                                                           lambda: 3, lambda: {"applied": 4})))
     text = generate_latest(reg).decode()
     for line in ('kvtier_tier_hits_total{tier="memory"} 3.0', 'kvtier_tier_misses_total{tier="memory"} 1.0',
                  'kvtier_tier_errors_total{cause="corrupt",tier="memory"} 1.0', 'kvtier_tier_blocks{tier="memory"} 3.0',
                  f'kvtier_scope_bytes{{domain="{blocks[0].meta.domain.hex()}",tier="memory"}}',
                  'kvtier_rpc_errors_total{code="PERMISSION_DENIED",method="Get"} 1.0',
                  'kvtier_rpc_latency_seconds_bucket{le="0.005",method="Get"} 1.0', "kvtier_inflight_bytes 7.0",
-                 'kvtier_overload_refusals_total{limit="concurrency"} 3.0'):
+                 'kvtier_overload_refusals_total{limit="concurrency"} 3.0',
+                 'kvtier_timing_mitigations_total{what="public_probe_hidden"} 2.0',
+                 'kvtier_revocation_sync_total{outcome="applied"} 4.0'):
         assert line in text, line
     tier.close()
 

@@ -15,6 +15,7 @@ from kvtier.tenancy import (
     Op,
     Policy,
     Principal,
+    RevocationChange,
 )
 from tests.helpers import DERIVER
 
@@ -154,7 +155,7 @@ def test_revoke_refuses_malformed_ids(policy: Policy, bad: str) -> None:
 
 def test_revocations_persist_through_the_audit_log(tmp_path) -> None:
     log = AuditLog(tmp_path / "audit.log")
-    p1 = Policy(DERIVER, audit=log)
+    p1 = Policy(DERIVER, audit=log, node="node-a", clock=lambda: 100.0)  # a clock that does not move
     p1.revoke(ALICE.id, actor="acme/boss", reason="left the company")
     p1.revoke_tenant("globex", actor="kvtier/ops")
     p1.grant_tenant("globex", actor="kvtier/ops")
@@ -169,7 +170,8 @@ def test_revocations_persist_through_the_audit_log(tmp_path) -> None:
         ("kvtier/ops", "revoke", "tenant:globex"),
         ("kvtier/ops", "grant", "tenant:globex"),
     ]
-    assert events[0].detail == {"reason": "left the company"}
+    assert events[0].detail == {"reason": "left the company", "origin": "node-a", "origin_at": 100.0}
+    assert events[2].detail["origin_at"] > events[1].detail["origin_at"]  # stamps of one target only go up
     p2.grant(ALICE.id, actor="acme/boss")
     p3 = Policy(DERIVER, audit=AuditLog(tmp_path / "audit.log"))
     assert p3.is_active(ALICE)
@@ -180,3 +182,37 @@ def test_domains_are_derived_never_supplied(policy: Policy) -> None:
     assert set(doms.values()) == set(ALICE.readable_scopes())
     assert all(policy.domain(s) == d for d, s in doms.items())
     assert not set(doms) & set(policy.readable_domains(BOB)) - {policy.domain(PUBLIC)}
+
+
+# -- changes between nodes -------------------------------------------------------------------------
+def test_nodes_agree_whatever_order_they_see_changes_in(tmp_path) -> None:
+    clock = {"a": 10.0, "b": 20.0}
+    a = Policy(DERIVER, audit=AuditLog(tmp_path / "a.log"), node="a", clock=lambda: clock["a"])
+    b = Policy(DERIVER, audit=AuditLog(tmp_path / "b.log"), node="b", clock=lambda: clock["b"])
+    sent: dict[str, list[RevocationChange]] = {"a": [], "b": []}
+    a.on_change, b.on_change = sent["a"].append, sent["b"].append
+    a.revoke(ALICE.id, actor="acme/boss")  # at 10
+    b.grant(ALICE.id, actor="acme/boss")  # at 20: the later change wins everywhere
+    assert [c.stamp for c in sent["a"] + sent["b"]] == [(10.0, "a"), (20.0, "b")]
+    assert b.apply_remote(sent["a"][0]) is False  # older than what b has: ignored, not recorded
+    assert a.apply_remote(sent["b"][0]) is True
+    assert a.is_active(ALICE) and b.is_active(ALICE)
+    assert a.apply_remote(sent["b"][0]) is False  # seen twice: applied once
+    assert [e.action for e in b.audit.events()] == ["grant"]
+    assert [(e.action, e.detail["origin"], e.detail["origin_at"]) for e in a.audit.events()] == [
+        ("revoke", "a", 10.0), ("grant", "b", 20.0)]
+    # A restart replays the log to the same state and stamps: b's change is still not new.
+    a2 = Policy(DERIVER, audit=AuditLog(tmp_path / "a.log"), node="a2")
+    assert a2.is_active(ALICE) and a2.apply_remote(sent["b"][0]) is False
+
+
+def test_a_listener_failure_leaves_the_change_applied_here() -> None:
+    p = Policy(DERIVER)
+
+    def offline(_c: RevocationChange) -> None:
+        raise RuntimeError("feed down")
+
+    p.on_change = offline
+    with pytest.raises(RuntimeError, match="feed down"):
+        p.revoke_tenant("globex")
+    assert not p.is_active(BOB)
