@@ -9,36 +9,24 @@ Only wrapped keys are stored (the master key never leaves the node). Failures of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
-
-import botocore.exceptions as bce
+from collections.abc import Iterator
 
 from kvtier.crypto import DEK_ID_BYTES, WrappedKey
 from kvtier.errors import TierUnavailable
 from kvtier.keys import DOMAIN_BYTES, ScopeDomain
 from storage_backends.s3 import S3Config
+from storage_backends.s3_objects import S3Objects
 
-T = TypeVar("T")
-_ERRORS = (bce.BotoCoreError, bce.ClientError)
 KEYS_DIR = "_keys"
 
 
-class S3WrappedKeyStore:
-    """Wrapped DEKs as small objects in the remote tier's bucket. Stateless apart from the client
-    (thread-safe); every call is one or a few S3 requests."""
+class S3WrappedKeyStore(S3Objects):
+    """Wrapped DEKs as small objects in the remote tier's bucket."""
+
+    what = "wrapped-key mirror"
 
     def __init__(self, config: S3Config) -> None:
-        config.validate()
-        self.config = config
-        self.root = f"{config.prefix}/{KEYS_DIR}/"
-        self._client = config.client()
-
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except _ERRORS as exc:
-            raise TierUnavailable(f"wrapped-key mirror: {what} failed: {type(exc).__name__}") from exc
+        super().__init__(config, KEYS_DIR)
 
     def _name(self, key: WrappedKey) -> str:
         return f"{self.root}{key.domain.hex()}/{key.dek_id.hex()}"
@@ -47,28 +35,15 @@ class S3WrappedKeyStore:
         body = key.encode()
         self._call("put", lambda: self._client.put_object(Bucket=self.config.bucket, Key=self._name(key), Body=body))
 
-    def _names(self, prefix: str) -> list[str]:
-        names: list[str] = []
-        token: str | None = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
-            if token:
-                kw["ContinuationToken"] = token
-            page = self._call("list", lambda kw=kw: self._client.list_objects_v2(**kw))
-            names.extend(o["Key"] for o in page.get("Contents") or [] if _well_formed(o["Key"], self.root))
-            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if not token:
-                return names
-
     def _get(self, name: str) -> WrappedKey:
         body = self._call("get", lambda: self._client.get_object(Bucket=self.config.bucket, Key=name)["Body"].read())
         return WrappedKey.decode(body)
 
     def wrapped_for(self, domain: ScopeDomain) -> list[WrappedKey]:
-        return [self._get(n) for n in self._names(f"{self.root}{domain.hex()}/")]
+        return [self._get(n) for n in self._names(f"{self.root}{domain.hex()}/", self._well_formed)]
 
     def delete_domain(self, domain: ScopeDomain) -> int:
-        names = self._names(f"{self.root}{domain.hex()}/")
+        names = self._names(f"{self.root}{domain.hex()}/", self._well_formed)
         for i in range(0, len(names), 1000):
             chunk = [{"Key": n} for n in names[i : i + 1000]]
             resp = self._call("delete", lambda chunk=chunk: self._client.delete_objects(
@@ -78,13 +53,9 @@ class S3WrappedKeyStore:
         return len(names)
 
     def all_wrapped(self) -> Iterator[WrappedKey]:
-        for n in self._names(self.root):
+        for n in self._names(self.root, self._well_formed):
             yield self._get(n)
 
-    def close(self) -> None:
-        self._client.close()
-
-
-def _well_formed(name: str, root: str) -> bool:
-    parts = name[len(root):].split("/")
-    return len(parts) == 2 and len(parts[0]) == 2 * DOMAIN_BYTES and len(parts[1]) == 2 * DEK_ID_BYTES
+    def _well_formed(self, name: str) -> bool:
+        parts = name[len(self.root):].split("/")
+        return len(parts) == 2 and len(parts[0]) == 2 * DOMAIN_BYTES and len(parts[1]) == 2 * DEK_ID_BYTES

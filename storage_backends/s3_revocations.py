@@ -15,18 +15,14 @@ import hashlib
 import hmac
 import json
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import botocore.exceptions as bce
+from typing import Any
 
 from kvtier.errors import CorruptRecord, TierUnavailable
 from kvtier.tenancy import RevocationChange
 from storage_backends.s3 import S3Config
+from storage_backends.s3_objects import S3Objects
 
-T = TypeVar("T")
-_ERRORS = (bce.BotoCoreError, bce.ClientError)
 FEED_DIR = "_revocations"
 #: A change's record is a few hundred bytes; anything larger is not one of ours.
 MAX_RECORD_BYTES = 16 << 10
@@ -41,31 +37,24 @@ class FeedRead:
     rejected: list[str]
 
 
-class S3RevocationFeed:
+class S3RevocationFeed(S3Objects):
     """The bucket's revocation records. ``read_new`` lists the whole feed and fetches only
     records it has not seen (names are unique; a node with a slow clock may add a name that
     sorts before ones already seen, so no listing cursor is trusted).
 
-    Invariants: ``_seen`` only grows, and holds every name fetched (verified or not), so a
-    record is applied or refused once per process. Thread-safe for one reader and any number
-    of publishers (``_seen`` belongs to the reader).
+    Invariants: ``_seen`` only grows, and holds exactly the names fetched and handed out (in
+    ``changes`` or ``rejected``), so a record is applied or refused once per process. Thread-safe
+    for one reader and any number of publishers (``_seen`` belongs to the reader).
     """
 
+    what = "revocation feed"
+
     def __init__(self, config: S3Config, key: bytes) -> None:
-        config.validate()
         if len(key) < 32:
             raise ValueError("revocation feed key must be at least 32 bytes")
-        self.config = config
-        self.root = f"{config.prefix}/{FEED_DIR}/"
+        super().__init__(config, FEED_DIR)
         self._key = key
-        self._client = config.client()
         self._seen: set[str] = set()
-
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except _ERRORS as exc:
-            raise TierUnavailable(f"revocation feed: {what} failed: {type(exc).__name__}") from exc
 
     # -- records ----------------------------------------------------------------------------------
     def _tag(self, body: bytes) -> str:
@@ -100,18 +89,24 @@ class S3RevocationFeed:
         return name
 
     def read_new(self) -> FeedRead:
+        """The records not read before. If the endpoint fails part-way, what was read so far is
+        returned and the rest is read next time; if it fails before any record, TierUnavailable."""
         out = FeedRead([], [])
-        for name in self._names():
-            if name in self._seen:
-                continue
-            raw = self._call("get", lambda name=name: self._get(name))
-            self._seen.add(name)
-            try:
-                if raw is None:
-                    raise CorruptRecord("revocation record is too large")
-                out.changes.append(self.decode(raw))
-            except CorruptRecord:
-                out.rejected.append(name)
+        try:
+            for name in self._names(self.root):
+                if name in self._seen:
+                    continue
+                raw = self._call("get", lambda name=name: self._get(name))
+                self._seen.add(name)
+                try:
+                    if raw is None:
+                        raise CorruptRecord("revocation record is too large")
+                    out.changes.append(self.decode(raw))
+                except CorruptRecord:
+                    out.rejected.append(name)
+        except TierUnavailable:
+            if not out.changes and not out.rejected:
+                raise
         out.changes.sort(key=lambda c: c.stamp)
         return out
 
@@ -121,19 +116,3 @@ class S3RevocationFeed:
             obj["Body"].close()
             return None
         return obj["Body"].read(MAX_RECORD_BYTES + 1)
-
-    def _names(self) -> list[str]:
-        names: list[str] = []
-        token: str | None = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": self.root}
-            if token:
-                kw["ContinuationToken"] = token
-            page = self._call("list", lambda kw=kw: self._client.list_objects_v2(**kw))
-            names.extend(o["Key"] for o in page.get("Contents") or [])
-            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if not token:
-                return names
-
-    def close(self) -> None:
-        self._client.close()

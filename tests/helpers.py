@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from kvtier.block import Block
@@ -34,3 +37,13 @@ def chain_blocks(
 
 def same_bytes(a: Block, b: Block) -> bool:
     return a.equal_bytes(b)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, every_s: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` passes; its last answer (for background work)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(every_s)
+    return cond()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -31,7 +31,7 @@ from kvtier.server.localdeploy import LocalDeployment
 from kvtier.server.wire import block_messages
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.lmdb import LmdbTier
-from tests.helpers import DERIVER, SECRET, same_bytes
+from tests.helpers import DERIVER, SECRET, same_bytes, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 #: 16 KiB blocks: several 4 KiB chunks each, so streams can be cut inside a block.
@@ -50,15 +50,6 @@ def blocks_of(n: int, base: int, layout: KVLayout = MID) -> list[Block]:
 
 def auth(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from kvtier.store import TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from storage_backends.s3 import BreakerState, S3Tier
-from tests.helpers import SMALL, chain_blocks, same_bytes
+from tests.helpers import SMALL, chain_blocks, same_bytes, wait_for
 
 BPB = SMALL.bytes_per_block
 
@@ -27,15 +27,6 @@ def server(tmp_path):
     srv.start()
     yield srv
     srv.kill()
-
-
-def _wait_for(pred, timeout_s: float = 30.0, every_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(every_s)
-    return False
 
 
 def test_outage_degrades_to_local_tiers_and_recovers(server: EmbeddedS3, tmp_path) -> None:
@@ -83,7 +74,8 @@ def test_outage_degrades_to_local_tiers_and_recovers(server: EmbeddedS3, tmp_pat
 
     server.start()  # same directory, same ports
 
-    assert _wait_for(lambda: store.lookup(keys_remote).blocks_in("s3") == 4), "remote hits must resume by themselves"
+    resumed = wait_for(lambda: store.lookup(keys_remote).blocks_in("s3") == 4, timeout=30, every_s=0.2)
+    assert resumed, "remote hits must resume by themselves"
     got = store.get(keys_remote)
     assert len(got) == 4 and all(same_bytes(g, b) for g, b in zip(got, remote_only, strict=True))
     assert remote.breaker.state is BreakerState.CLOSED and remote.breaker.opened_count >= 1

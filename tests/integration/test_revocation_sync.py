@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,18 +19,9 @@ from kvtier.server.localdeploy import LocalDeployment
 from kvtier.tenancy import RevocationChange
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.s3_revocations import S3RevocationFeed
-from tests.helpers import SECRET, chain_blocks
+from tests.helpers import SECRET, chain_blocks, wait_for
 
 SYNC_S = 0.2
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 @pytest.fixture
@@ -69,10 +60,10 @@ def test_a_revocation_on_one_node_reaches_the_other_and_a_grant_comes_back(nodes
         assert not _refused(b, dep_b)
         ops_a.revoke("principal", "acme/alice", reason="leaked token")
         assert _refused(a, dep_a)  # at once where it was made
-        assert _wait(lambda: _refused(b, dep_b), timeout=10)  # and on B within a few sync intervals
+        assert wait_for(lambda: _refused(b, dep_b), timeout=10)  # and on B within a few sync intervals
         assert not _refused(b, dep_b, "acme", "bob")
         ops_b.revoke("principal", "acme/alice", lift=True, reason="new token issued")
-        assert _wait(lambda: not _refused(a, dep_a), timeout=10)
+        assert wait_for(lambda: not _refused(a, dep_a), timeout=10)
         # B's audit log holds A's revocation with its origin; counts show what happened.
         events = [(e.action, e.target, e.detail.get("origin", "")) for e in b.backend.audit.events()]
         assert ("revoke", "principal:acme/alice", a.backend.policy.node) in events
@@ -88,7 +79,7 @@ def test_records_not_signed_by_the_deployment_are_refused(nodes, s3_server: Embe
     forger = S3RevocationFeed(s3_server.s3_config(prefix), b"\x01" * 32)  # a bucket writer without the secret
     try:
         forger.publish(RevocationChange("principal:acme/alice", True, time.time(), "mallory", "mallory"))
-        assert _wait(lambda: b.backend.revocations.snapshot().get("rejected", 0) >= 1)
+        assert wait_for(lambda: b.backend.revocations.snapshot().get("rejected", 0) >= 1)
         assert not _refused(b, dep_b) and not _refused(a, dep_a)
     finally:
         forger.close()
@@ -109,7 +100,7 @@ def test_a_feed_that_cannot_be_written_fails_the_call_but_the_change_stands(tmp_
             with pytest.raises(TierUnavailable, match="applies on this node but was not published"):
                 ops.revoke("tenant", "globex")
             assert _refused(d, dep, "globex", "carol")  # the revocation stands here
-            assert _wait(lambda: d.backend.revocations.snapshot().get("read_errors", 0) >= 1)
+            assert wait_for(lambda: d.backend.revocations.snapshot().get("read_errors", 0) >= 1)
             snap = d.backend.revocations.snapshot()
             assert snap["publish_errors"] == 1 and "published" not in snap
         finally:
