@@ -27,9 +27,9 @@ COPY . .
 # source tree (when the project has a generator), then reinstall the package so the generated
 # modules ship in site-packages. grpcio-tools is a build-time tool only.
 RUN pip install . \
- && if [ -f kvtier/server/build_proto.py ]; then \
+ && if [ -f kvtier/rpc/build_proto.py ]; then \
         pip install "grpcio-tools>=1.62,<2" \
-     && python -m kvtier.server.build_proto \
+     && python -m kvtier.rpc.build_proto \
      && pip install --no-deps --force-reinstall . \
      && pip uninstall -y grpcio-tools; \
     fi \

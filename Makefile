@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VPY) -m kvtier.mainjob
+	$(VPY) -m benchmarks.mainjob
 
 # vLLM and SGLang interfaces for tests/engines, each in its own venv: CPU torch + the pinned engine
 # wheel and the few packages its connector modules import, all --no-deps (the full dependency sets

@@ -34,8 +34,10 @@ from benchmarks.common import progress, table, write_json
 from benchmarks.tiers import BENCH_LAYOUT, make_blocks
 from kvtier import codec
 from kvtier.block import Block
-from kvtier.crypto import KeyRing, LmdbWrappedKeyStore, LocalKeyProvider
-from kvtier.tier import Tier
+from kvtier.security.keyring import KeyRing
+from kvtier.security.master_keys import LocalKeyProvider
+from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
+from kvtier.store.tier import Tier
 from storage_backends.lmdb import LmdbTier
 
 BASELINE = "aes-gcm"
@@ -189,7 +191,7 @@ def lmdb_rows(blocks: list[Block], reps: int, directory: Path) -> list[dict]:
 
 
 def s3_rows(blocks: list[Block], reps: int, directory: Path) -> list[dict]:
-    from kvtier.embedded_s3 import EmbeddedS3
+    from kvtier.server.embedded_s3 import EmbeddedS3
     from storage_backends.s3 import S3Tier
 
     ring, store = _ring(directory)

@@ -36,16 +36,18 @@ import torch
 
 from benchmarks.common import progress, table, write_json
 from connectors.transformers_connector import Generation, TransformersConnector
-from kvtier.cache import KVCache, RequestSegment
-from kvtier.costmodel import CostModel, TierProfile, probe_host_to_device, probe_prefill
+from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.engine.models import model_spec
+from kvtier.engine.prefill import PrefillRunner
 from kvtier.errors import ConfigError, TierUnavailable
 from kvtier.keys import DomainDeriver, ScopeKind
 from kvtier.layout import KVLayout
-from kvtier.models import model_spec
-from kvtier.prefill import PrefillRunner
-from kvtier.store import TieredStore
-from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Policy, Principal
-from kvtier.tier import Tier
+from kvtier.planning.cost_model import CostModel
+from kvtier.planning.probes import probe_host_to_device, probe_prefill
+from kvtier.planning.profiles import TierProfile
+from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.store.tier import Tier
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 
 #: Relative logit agreement (max |a - b| / std) that counts as "the same" for bf16 KV reuse.
@@ -214,7 +216,9 @@ def register_setup(cls: type[TierSetup]) -> type[TierSetup]:
 def _keyring(stack: ExitStack, workdir: Path) -> Any:
     import os
 
-    from kvtier.crypto import KeyRing, LmdbWrappedKeyStore, LocalKeyProvider
+    from kvtier.security.keyring import KeyRing
+    from kvtier.security.master_keys import LocalKeyProvider
+    from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
 
     store = LmdbWrappedKeyStore(workdir / "keys", sync=False)
     stack.callback(store.close)
@@ -252,7 +256,7 @@ class S3Setup(TierSetup):
     name = "s3"
 
     def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
-        from kvtier.embedded_s3 import EmbeddedS3
+        from kvtier.server.embedded_s3 import EmbeddedS3
         from storage_backends.s3 import S3Tier
 
         progress("starting embedded SeaweedFS (S3 on loopback)")
@@ -281,7 +285,7 @@ class DaemonS3Setup(TierSetup):
     name = "daemon+s3"
 
     def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
-        from kvtier.embedded_s3 import EmbeddedS3
+        from kvtier.server.embedded_s3 import EmbeddedS3
 
         progress("starting embedded SeaweedFS (S3 on loopback)")
         srv = EmbeddedS3(workdir / "seaweedfs", bucket="kvtier-e2e", volume_size_limit_mb=256).start()

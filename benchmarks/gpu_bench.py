@@ -31,8 +31,10 @@ from benchmarks.common import progress, table, write_json
 from kvtier.block import Block
 from kvtier.keys import DomainDeriver, Scope, Segment, block_chain
 from kvtier.layout import KVLayout
-from kvtier.store import TieredStore
-from kvtier.transfer import MiB, TransferConfig, TransferEngine, make_copier
+from kvtier.store.tiered_store import TieredStore
+from kvtier.transfer.copiers import make_copier
+from kvtier.transfer.device import MiB, TransferConfig
+from kvtier.transfer.engine import TransferEngine
 from storage_backends.gpu import GpuTier
 from storage_backends.memory import MemoryTier
 

@@ -36,25 +36,20 @@ from typing import Any
 import torch
 
 from benchmarks.common import progress, table, write_json
+from benchmarks.throttle import ThrottledTier
 from kvtier.block import Block
-from kvtier.costmodel import (
-    CostModel,
-    PlanOption,
-    TierProbe,
-    TierProfile,
-    probe_decrypt,
-    probe_host_to_device,
-    probe_prefill,
-    probe_tier,
-)
+from kvtier.engine.models import ModelSpec, model_spec
+from kvtier.engine.prefill import PrefillRunner
 from kvtier.errors import ConfigError, KvtierError, TierUnavailable
 from kvtier.keys import PUBLIC, BlockKey, DomainDeriver, Scope, Segment, block_chain
 from kvtier.layout import KVLayout
-from kvtier.models import ModelSpec, model_spec
-from kvtier.prefill import PrefillRunner
-from kvtier.store import Lookup, TieredStore, TierRun
-from kvtier.throttle import ThrottledTier
-from kvtier.tier import Tier
+from kvtier.planning.cost_model import CostModel
+from kvtier.planning.plans import PlanOption
+from kvtier.planning.probes import TierProbe, probe_decrypt, probe_host_to_device, probe_prefill, probe_tier
+from kvtier.planning.profiles import TierProfile
+from kvtier.store.lookup import Lookup, TierRun
+from kvtier.store.tier import Tier
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 
@@ -122,7 +117,7 @@ class BenchEnv:
 
     def _start_s3(self) -> None:
         try:
-            from kvtier.embedded_s3 import EmbeddedS3
+            from kvtier.server.embedded_s3 import EmbeddedS3
         except ModuleNotFoundError as exc:
             self.s3_error = f"S3 backend not available ({exc.name} missing)"
             return
@@ -134,7 +129,9 @@ class BenchEnv:
 
     def _make_sealer(self) -> None:
         try:
-            from kvtier.crypto import KeyRing, LmdbWrappedKeyStore, LocalKeyProvider
+            from kvtier.security.keyring import KeyRing
+            from kvtier.security.master_keys import LocalKeyProvider
+            from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
         except ModuleNotFoundError as exc:
             self.crypto_error = f"encryption not available ({exc.name} missing)"
             return

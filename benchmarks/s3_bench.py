@@ -26,8 +26,8 @@ from benchmarks.common import progress, table, write_json
 from benchmarks.tiers import BENCH_LAYOUT, COLUMNS, make_blocks, row
 from kvtier import codec
 from kvtier.block import Block
-from kvtier.embedded_s3 import EmbeddedS3
 from kvtier.layout import KVLayout
+from kvtier.server.embedded_s3 import EmbeddedS3
 from storage_backends.s3 import S3Tier
 
 CONCURRENCY = 16

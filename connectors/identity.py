@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import AuthError, ConfigError, ScopeError
-from kvtier.tenancy import Principal
-from kvtier.tokens import HmacKey, TokenVerifier
+from kvtier.security.policy import Principal
+from kvtier.security.tokens import HmacKey, TokenVerifier
 
 SALT_PREFIX = "kvs1"
 MIN_SALT_KEY_BYTES = 32

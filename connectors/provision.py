@@ -22,11 +22,11 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvtier.cache import CacheOptions, KVCache
+from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
-from kvtier.store import TieredStore
-from kvtier.tenancy import Policy
+from kvtier.security.policy import Policy
+from kvtier.store.tiered_store import TieredStore
 
 if TYPE_CHECKING:
     from storage_backends.grpc import GrpcTierConfig
@@ -42,8 +42,8 @@ def kvtier_options(extra: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _from_config(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
-    from kvtier.config import load_config
     from kvtier.server.backend import Backend
+    from kvtier.server.config import load_config
 
     path = cfg.get("config")
     if not path:

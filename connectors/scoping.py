@@ -26,12 +26,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.cache import KVCache, RequestSegment
+from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.errors import AccessDenied, ConfigError
 from kvtier.keys import ChainBlock, ScopeKind
 from kvtier.layout import KVLayout
-from kvtier.store import Lookup
-from kvtier.tenancy import Principal
+from kvtier.security.policy import Principal
+from kvtier.store.lookup import Lookup
 
 
 @dataclass(slots=True, frozen=True)

@@ -37,11 +37,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from connectors.provision import kvtier_options, shared_cache
-from kvtier.cache import KVCache
+from kvtier.cache.kv_cache import KVCache
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, ScopeError, TierUnavailable
 from kvtier.keys import LAYOUT_TAG_BYTES, BlockKey, ChainBlock, make_key
 from kvtier.layout import KVLayout, dtype_name
-from kvtier.tenancy import Principal
+from kvtier.security.policy import Principal
 
 #: Host-pool layouts whose flat page is 2 x layers x page x heads x head_dim elements.
 FLAT_PAGE_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")

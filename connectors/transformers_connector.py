@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvtier.cache import KVCache, RequestSegment
+from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.engine.prefill import PrefillRunner, PrefillTiming
 from kvtier.errors import ConfigError
 from kvtier.keys import ChainBlock
-from kvtier.prefill import PrefillRunner, PrefillTiming
-from kvtier.store import Lookup
-from kvtier.tenancy import Principal
+from kvtier.security.policy import Principal
+from kvtier.store.lookup import Lookup
 
 PURE_PLANS = ("full-reload", "full-recompute")
 

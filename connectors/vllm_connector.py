@@ -52,10 +52,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.identity import SaltMapper, salt_mapper
 from connectors.provision import kvtier_options, shared_cache
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
-from kvtier.cache import KVCache
+from kvtier.cache.kv_cache import KVCache
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, TierUnavailable
 from kvtier.layout import KVLayout, dtype_name
-from kvtier.tenancy import Principal
+from kvtier.security.policy import Principal
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -15,7 +15,7 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.keys import BlockKey
-from kvtier.server.wire import WireFrame, wire_frame
+from kvtier.rpc.wire import WireFrame, wire_frame
 from storage_backends.memory import MemoryTier, copy_from_bytes, slab_dtype
 
 

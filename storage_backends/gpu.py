@@ -18,22 +18,13 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import ConfigError, LayoutMismatch, TierUnavailable, TransferError
-from kvtier.eviction import EntryInfo, make_policy
 from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
-from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
-from kvtier.transfer import (
-    DONE,
-    Completion,
-    LayerwiseLoad,
-    MiB,
-    PageIds,
-    Transfer,
-    TransferConfig,
-    TransferEngine,
-    page_rows,
-    resolve_device,
-)
+from kvtier.store.eviction import EntryInfo, make_policy
+from kvtier.store.tier import DomainIndex, IndexedTier, PutResult, batch_protected
+from kvtier.transfer.copiers import page_rows
+from kvtier.transfer.device import DONE, Completion, MiB, PageIds, TransferConfig, resolve_device
+from kvtier.transfer.engine import LayerwiseLoad, Transfer, TransferEngine
 
 #: Largest staging buffer a GpuTier sizes for itself when not handed an engine.
 DEFAULT_STAGING_BYTES = 64 * MiB

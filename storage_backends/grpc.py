@@ -43,11 +43,11 @@ from kvtier.errors import (
 )
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
 from kvtier.layout import DTYPES
-from kvtier.server import kvtier_pb2 as pb
-from kvtier.server import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.wire import BlockAssembler, ChunkFrame, ResponseSlots, decode_frame, encode_frame, pack_blocks
 from kvtier.server.service import SERVICE_NAME
-from kvtier.server.wire import BlockAssembler, ChunkFrame, ResponseSlots, decode_frame, encode_frame, pack_blocks
-from kvtier.tier import PutResult, Tier, TierUsage
+from kvtier.store.tier import PutResult, Tier, TierUsage
 
 #: Status code -> the kvtier exception it stands for.
 ERROR_OF: dict[grpc.StatusCode, type[KvtierError]] = {

@@ -15,10 +15,10 @@ from kvtier import codec
 from kvtier.block import Block
 from kvtier.codec import Sealer
 from kvtier.errors import CorruptRecord, LayoutMismatch
-from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
-from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
+from kvtier.store.eviction import EntryInfo, make_policy
+from kvtier.store.tier import DomainIndex, IndexedTier, PutResult, batch_protected
 
 _MIN_MAP = 64 << 20
 _MAX_SCRATCH = 64  # scratch record buffers kept between batches

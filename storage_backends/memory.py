@@ -19,11 +19,11 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import LayoutMismatch
-from kvtier.eviction import EntryInfo, make_policy
 from kvtier.hostmem import HostSlabPool
 from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
-from kvtier.tier import DomainIndex, IndexedTier, PutResult, batch_protected
+from kvtier.store.eviction import EntryInfo, make_policy
+from kvtier.store.tier import DomainIndex, IndexedTier, PutResult, batch_protected
 
 T = TypeVar("T")
 

@@ -19,318 +19,32 @@ keys_in_scope, usage) raise TierUnavailable instead, because a purge must know i
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
-import boto3
 import botocore.exceptions as bce
 import torch
-from botocore.config import Config
 
 from kvtier import codec
 from kvtier.block import Block
 from kvtier.codec import Sealer
 from kvtier.errors import ConfigError, CorruptRecord, KeyUnavailable, LayoutMismatch, TierUnavailable, UnsupportedFormat
-from kvtier.keys import DIGEST_BYTES, DOMAIN_BYTES, LAYOUT_TAG_BYTES, BlockKey, ScopeDomain, make_key
-from kvtier.tier import PutResult, Tier, TierUsage
+from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
+from kvtier.store.tier import PutResult, Tier, TierUsage
+from storage_backends.s3_breaker import CircuitBreaker
+from storage_backends.s3_config import MAX_OBJECT_BYTES, ObjectNamer, S3Config
+from storage_backends.s3_probes import PROBES
 
 T = TypeVar("T")
-
-#: S3 allows at most this many keys per DeleteObjects call.
-MAX_DELETE_BATCH = 1000
-#: No record is this large; a bigger object under our names is not ours and is never read.
-MAX_OBJECT_BYTES = 1 << 30
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-_HEX_RE = re.compile(r"^[0-9a-f]+$")
 #: Error codes that mean "the service is not healthy", not "your request is wrong".
 _SERVER_FAULT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"})
 _TIMEOUTS = (bce.ConnectTimeoutError, bce.ReadTimeoutError)
 _CONNECTION_ERRORS = (bce.ConnectionError, bce.HTTPClientError, bce.IncompleteReadError)
-
-
-# -- configuration ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True, frozen=True)
-class S3Config:
-    """Where the remote tier lives and how hard it tries. Every timeout and retry is explicit.
-
-    ``concurrency`` bounds each of the two worker pools (reads: HEAD/GET, writes: PUT/DELETE), so
-    a burst of write-through uploads never queues ahead of an engine's lookup; the HTTP connection
-    pool is sized to both pools plus a few connections for listing and control calls.
-    """
-
-    endpoint_url: str
-    bucket: str
-    prefix: str = "kvtier"
-    access_key: str = "kvtier"
-    secret_key: str = "kvtier-secret"
-    region: str = "us-east-1"
-    connect_timeout_s: float = 1.0
-    read_timeout_s: float = 5.0
-    #: Total attempts per request, first one included (botocore "standard" retry mode).
-    max_attempts: int = 2
-    concurrency: int = 16
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 2.0
-    #: How contains() walks a chain: a name from PROBES.
-    probe: str = "window"
-    delete_batch: int = MAX_DELETE_BATCH
-    #: PUT with ``If-None-Match: *`` (AWS S3, SeaweedFS, MinIO, Ceph RGW). False for a store that
-    #: lacks it: a HEAD then a PUT, where a concurrent writer of the same key may win (same bytes,
-    #: since keys are content hashes).
-    conditional_put: bool = True
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first bad field; touches no network."""
-        parts = urlsplit(self.endpoint_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"S3Config.endpoint_url: expected http(s)://host[:port], got {self.endpoint_url!r}")
-        try:
-            _ = parts.port
-        except ValueError:
-            raise ConfigError(f"S3Config.endpoint_url: bad port in {self.endpoint_url!r}") from None
-        if not _BUCKET_RE.match(self.bucket) or ".." in self.bucket:
-            raise ConfigError(
-                f"S3Config.bucket: {self.bucket!r} is not a valid bucket name "
-                "(3-63 characters: lowercase letters, digits, '.', '-'; starting and ending alphanumeric)"
-            )
-        segments = self.prefix.split("/")
-        if len(self.prefix) > 256 or not all(_PREFIX_SEGMENT_RE.match(s) for s in segments):
-            raise ConfigError(
-                f"S3Config.prefix: {self.prefix!r} must be non-empty '/'-separated segments of "
-                "letters, digits, '.', '_', '-' (no leading, trailing or doubled '/'), at most 256 characters"
-            )
-        if not self.access_key or not self.secret_key:
-            raise ConfigError("S3Config.access_key/secret_key: both must be non-empty")
-        for name in ("connect_timeout_s", "read_timeout_s", "breaker_cooldown_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"S3Config.{name} must be positive")
-        for name, lo, hi in (("max_attempts", 1, 10), ("concurrency", 1, 256), ("breaker_failures", 1, 1000),
-                             ("delete_batch", 1, MAX_DELETE_BATCH)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or not lo <= v <= hi:
-                raise ConfigError(f"S3Config.{name} must be an integer in [{lo}, {hi}], got {v!r}")
-        if self.probe not in PROBES:
-            raise ConfigError(f"S3Config.probe: unknown {self.probe!r}; one of {sorted(PROBES)}")
-
-    def botocore_config(self) -> Config:
-        return Config(
-            connect_timeout=self.connect_timeout_s,
-            read_timeout=self.read_timeout_s,
-            retries={"max_attempts": self.max_attempts, "mode": "standard"},
-            max_pool_connections=2 * self.concurrency + 4,
-            s3={"addressing_style": "path"},
-            signature_version="s3v4",
-            tcp_keepalive=True,
-            # Records carry their own xxh3 checksum, verified on every GET; a second CRC over
-            # each body on both ends would only spend CPU.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-
-    def client(self) -> Any:
-        return boto3.session.Session().client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name=self.region,
-            config=self.botocore_config(),
-        )
-
-
-# -- object names -------------------------------------------------------------------------------
-
-
-class ObjectNamer:
-    """Maps keys to object names and back: ``<prefix>/<tag hex>/<domain hex>/<digest hex>``.
-
-    Pure and immutable; the name is a function of the key alone, so any node finds any block.
-    """
-
-    __slots__ = ("prefix",)
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-
-    def name(self, key: BlockKey) -> str:
-        dom = key[:DOMAIN_BYTES]
-        tag = key[DOMAIN_BYTES : DOMAIN_BYTES + LAYOUT_TAG_BYTES]
-        digest = key[DOMAIN_BYTES + LAYOUT_TAG_BYTES :]
-        return f"{self.prefix}/{tag.hex()}/{dom.hex()}/{digest.hex()}"
-
-    def root(self) -> str:
-        return f"{self.prefix}/"
-
-    def scope_prefix(self, tag_hex: str, domain: ScopeDomain) -> str:
-        return f"{self.prefix}/{tag_hex}/{domain.hex()}/"
-
-    def parse(self, name: str) -> BlockKey | None:
-        """The key an object name encodes, or None for a name this namer did not produce."""
-        if not name.startswith(self.root()):
-            return None
-        parts = name[len(self.root()) :].split("/")
-        if len(parts) != 3:
-            return None
-        tag, dom, digest = parts
-        widths = (LAYOUT_TAG_BYTES * 2, DOMAIN_BYTES * 2, DIGEST_BYTES * 2)
-        if any(len(p) != w or not _HEX_RE.match(p) for p, w in zip(parts, widths, strict=True)):
-            return None
-        return make_key(ScopeDomain(bytes.fromhex(dom)), bytes.fromhex(tag), bytes.fromhex(digest))
-
-    @staticmethod
-    def tag_of(common_prefix: str) -> str | None:
-        """``<prefix>/<tag>/`` -> tag, or None when it is not a layout-tag directory."""
-        tag = common_prefix.rstrip("/").rsplit("/", 1)[-1]
-        return tag if len(tag) == LAYOUT_TAG_BYTES * 2 and _HEX_RE.match(tag) else None
-
-
-# -- circuit breaker ----------------------------------------------------------------------------
-
-
-class BreakerState(Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half-open"
-
-
-class CircuitBreaker:
-    """closed -> open after ``failures`` consecutive endpoint failures -> half-open after ``cooldown_s``.
-
-    In half-open exactly one caller is let through as a probe; its success closes the breaker,
-    its failure reopens it for another cooldown. Every caller that was allowed must report its
-    outcome with ``record(ok)``. All state is mutated under ``_lock``; the clock is injectable
-    for tests.
-    """
-
-    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if failures < 1 or cooldown_s <= 0:
-            raise ConfigError("CircuitBreaker needs failures >= 1 and cooldown_s > 0")
-        self.failures = failures
-        self.cooldown_s = cooldown_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._state = BreakerState.CLOSED
-        self._consecutive = 0
-        self._opened_at = 0.0
-        self._probe_out = False
-        self.opened_count = 0
-
-    @property
-    def state(self) -> BreakerState:
-        with self._lock:
-            return self._state
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self._state is BreakerState.CLOSED:
-                return True
-            if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.cooldown_s:
-                self._state = BreakerState.HALF_OPEN
-                self._probe_out = False
-            if self._state is BreakerState.HALF_OPEN and not self._probe_out:
-                self._probe_out = True
-                return True
-            return False
-
-    def record(self, ok: bool) -> None:
-        with self._lock:
-            if ok:
-                self._state = BreakerState.CLOSED
-                self._consecutive = 0
-                self._probe_out = False
-                return
-            self._consecutive += 1
-            if self._state is BreakerState.HALF_OPEN or (
-                self._state is BreakerState.CLOSED and self._consecutive >= self.failures
-            ):
-                self._state = BreakerState.OPEN
-                self._opened_at = self._clock()
-                self._probe_out = False
-                self.opened_count += 1
-
-
-# -- chain probes -------------------------------------------------------------------------------
-
-#: exists(indices) -> presence of each index, checked concurrently (a failed check reads False).
-ExistsFn = Callable[[Sequence[int]], list[bool]]
-
-
-class ChainProbe(ABC):
-    """Finds the longest present prefix of a chain of ``n`` keys with batched existence checks.
-
-    Each call of ``exists`` is one round trip (its checks run concurrently). Whatever the order
-    of probing, the answer is exactly the index of the first missing key: a block after a gap
-    is useless, so a gap must stop the prefix even if later blocks are present.
-    """
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    @abstractmethod
-    def prefix_length(self, n: int, exists: ExistsFn) -> int: ...
-
-    def _first_missing(self, indices: Sequence[int], exists: ExistsFn) -> int | None:
-        for start in range(0, len(indices), self.window):
-            wave = indices[start : start + self.window]
-            for i, ok in zip(wave, exists(wave), strict=True):
-                if not ok:
-                    return i
-        return None
-
-
-class WindowProbe(ChainProbe):
-    """Waves of ``window`` concurrent HEADs from the front: ceil(L / window) round trips."""
-
-    def prefix_length(self, n: int, exists: ExistsFn) -> int:
-        miss = self._first_missing(list(range(n)), exists)
-        return n if miss is None else miss
-
-
-class BisectProbe(ChainProbe):
-    """Gallop + binary search for the boundary, assuming chains are prefix-closed (they are in
-    practice: blocks are written front to back), then verify every position below it in
-    concurrent waves so a gap is still found. A full miss costs one HEAD; a boundary deep in a
-    long chain costs O(log n) single probes and no wasted HEADs past it."""
-
-    def prefix_length(self, n: int, exists: ExistsFn) -> int:
-        if n == 0 or not exists([0])[0]:
-            return 0
-        known = {0}
-        lo, hi, step = 0, n, 1
-        while True:
-            probe = min(lo + step, n - 1)
-            if probe == lo:
-                break
-            if exists([probe])[0]:
-                known.add(probe)
-                lo, step = probe, step * 2
-            else:
-                hi = probe
-                break
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if exists([mid])[0]:
-                known.add(mid)
-                lo = mid
-            else:
-                hi = mid
-        miss = self._first_missing([i for i in range(hi) if i not in known], exists)
-        return hi if miss is None else miss
-
-
-PROBES: dict[str, type[ChainProbe]] = {"window": WindowProbe, "bisect": BisectProbe}
 
 
 # -- the tier -----------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvtier.crypto import DEK_ID_BYTES, WrappedKey
 from kvtier.errors import TierUnavailable
 from kvtier.keys import DOMAIN_BYTES, ScopeDomain
-from storage_backends.s3 import S3Config
+from kvtier.security.master_keys import DEK_ID_BYTES
+from kvtier.security.wrapped_keys import WrappedKey
+from storage_backends.s3_config import S3Config
 from storage_backends.s3_objects import S3Objects
 
 KEYS_DIR = "_keys"

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import CorruptRecord, TierUnavailable
-from kvtier.tenancy import RevocationChange
-from storage_backends.s3 import S3Config
+from kvtier.security.policy import RevocationChange
+from storage_backends.s3_config import S3Config
 from storage_backends.s3_objects import S3Objects
 
 FEED_DIR = "_revocations"

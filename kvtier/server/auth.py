@@ -40,10 +40,10 @@ from kvtier.errors import (
     ScopeError,
     TierUnavailable,
 )
+from kvtier.security.policy import Policy, Principal
+from kvtier.security.tokens import Ed25519SigningKey, Ed25519VerifyKey, HmacKey, TokenVerifier, VerifyKey
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper, Lease
 from kvtier.server.observability import ServerMetrics
-from kvtier.tenancy import Policy, Principal
-from kvtier.tokens import Ed25519SigningKey, Ed25519VerifyKey, HmacKey, TokenVerifier, VerifyKey
 
 log = logging.getLogger("kvtier.server")
 

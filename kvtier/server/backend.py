@@ -16,27 +16,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.audit import AuditLog
-from kvtier.cache import CacheOptions, KVCache
-from kvtier.config import DaemonConfig
-from kvtier.crypto import (
-    FileKeyProvider,
-    KeyRing,
-    LmdbWrappedKeyStore,
-    MirroredKeyStore,
-    WrappedKeyStore,
-    key_provider,
-)
+from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver
-from kvtier.server.revocations import RevocationSync
+from kvtier.security.audit import AuditLog
+from kvtier.security.keyring import KeyRing
+from kvtier.security.master_keys import FileKeyProvider, key_provider
+from kvtier.security.policy import Policy, Principal
+from kvtier.security.revocations import RevocationSync
+from kvtier.security.wrapped_keys import LmdbWrappedKeyStore, MirroredKeyStore, WrappedKeyStore
+from kvtier.server.config import DaemonConfig
 from kvtier.server.service import PurgeOutcome
-from kvtier.store import TieredStore
-from kvtier.tenancy import Policy, Principal
-from kvtier.tier import Tier
+from kvtier.store.tier import Tier
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.frame_memory import FrameMemoryTier
 from storage_backends.lmdb import LmdbTier
-from storage_backends.s3 import S3Config, S3Tier
+from storage_backends.s3 import S3Tier
+from storage_backends.s3_config import S3Config
 from storage_backends.s3_keys import S3WrappedKeyStore
 from storage_backends.s3_revocations import S3RevocationFeed
 

@@ -25,12 +25,13 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier.cache import TimingMitigations
-from kvtier.config import DaemonConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.hostmem import tune_malloc_for_large_blocks
+from kvtier.security.timing import TimingMitigations
+from kvtier.security.tokens import TokenVerifier
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
+from kvtier.server.config import DaemonConfig, load_config
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
 from kvtier.server.observability import (
     DaemonCollector,
@@ -40,7 +41,6 @@ from kvtier.server.observability import (
     configure_logging,
 )
 from kvtier.server.service import SERVICE_NAME, KvCacheService, ServiceLimits, ServiceParts, service_handler
-from kvtier.tokens import TokenVerifier
 
 log = logging.getLogger("kvtier.server")
 

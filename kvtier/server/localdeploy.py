@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import DaemonConfig, load_config
-from kvtier.crypto import write_master_key
+from kvtier.security.master_keys import write_master_key
+from kvtier.security.policy import Principal
+from kvtier.security.tokens import MintRequest, mint
 from kvtier.server.auth import hmac_key_from_file
-from kvtier.tenancy import Principal
-from kvtier.tokens import MintRequest, mint
+from kvtier.server.config import DaemonConfig, load_config
 
 Sections = Mapping[str, Mapping[str, Any]]
 

@@ -21,8 +21,8 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from kvtier.metrics import LATENCY_BUCKETS, Histogram
-from kvtier.tier import Tier
+from kvtier.store.metrics import LATENCY_BUCKETS, Histogram
+from kvtier.store.tier import Tier
 
 
 class ServerMetrics:

@@ -31,16 +31,12 @@ import grpc
 import torch
 
 from kvtier.block import Block, BlockMeta
-from kvtier.cache import TimingGuard, TimingMitigations
 from kvtier.errors import AccessDenied, InvalidRequest
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
-from kvtier.server import kvtier_pb2 as pb
-from kvtier.server import kvtier_pb2_grpc as pb_grpc
-from kvtier.server.auth import Call
-from kvtier.server.limits import ByteBudget, ConcurrencyLimit
-from kvtier.server.observability import ServerMetrics
-from kvtier.server.wire import (
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.wire import (
     BlockAssembler,
     ChunkFrame,
     FrameSource,
@@ -51,9 +47,14 @@ from kvtier.server.wire import (
     encode_frame,
     pack_items,
 )
-from kvtier.store import Lookup, TieredStore, TierRun
-from kvtier.tenancy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
-from kvtier.tier import Tier
+from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
+from kvtier.security.timing import TimingGuard, TimingMitigations
+from kvtier.server.auth import Call
+from kvtier.server.limits import ByteBudget, ConcurrencyLimit
+from kvtier.server.observability import ServerMetrics
+from kvtier.store.lookup import Lookup, TierRun
+from kvtier.store.tier import Tier
+from kvtier.store.tiered_store import TieredStore
 
 log = logging.getLogger("kvtier.server")
 

@@ -10,7 +10,7 @@ import torch
 
 from kvtier.errors import LayoutMismatch
 from kvtier.keys import Scope
-from kvtier.tier import Tier
+from kvtier.store.tier import Tier
 from tests.helpers import SMALL, chain_blocks, same_bytes
 
 BPB = SMALL.bytes_per_block

@@ -1,6 +1,6 @@
 import pytest
 
-from kvtier.throttle import ThrottledTier
+from benchmarks.throttle import ThrottledTier
 from storage_backends.memory import MemoryTier
 from tests.contract.contract import TierContract
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.cache import KVCache
+from kvtier.cache.kv_cache import KVCache
 from kvtier.keys import DomainDeriver
 from kvtier.layout import KVLayout
-from kvtier.store import TieredStore
-from kvtier.tenancy import Policy
+from kvtier.security.policy import Policy
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 
 SERVER_SECRET = b"engine-suite-server-secret-0123456789"

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.embedded_s3 import EmbeddedS3
-from storage_backends.s3 import BreakerState, S3Tier
+from kvtier.server.embedded_s3 import EmbeddedS3
+from storage_backends.s3 import S3Tier
+from storage_backends.s3_breaker import BreakerState
 from tests.helpers import chain_blocks
 
 

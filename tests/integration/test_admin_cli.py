@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 from kvtier.server.daemon import Daemon
 from kvtier.server.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def _free_port() -> int:

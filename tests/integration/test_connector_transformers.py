@@ -13,15 +13,17 @@ import torch
 
 from connectors.provision import daemon_cache
 from connectors.transformers_connector import TransformersConnector
-from kvtier.cache import KVCache, RequestSegment
-from kvtier.crypto import KeyRing, LmdbWrappedKeyStore, LocalKeyProvider
+from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.engine.models import model_spec
+from kvtier.engine.prefill import PrefillRunner
 from kvtier.keys import DomainDeriver, ScopeKind
-from kvtier.models import model_spec
-from kvtier.prefill import PrefillRunner
+from kvtier.security.keyring import KeyRing
+from kvtier.security.master_keys import LocalKeyProvider
+from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
 from kvtier.server.daemon import Daemon
 from kvtier.server.localdeploy import LocalDeployment
-from kvtier.store import TieredStore
-from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.grpc import GrpcTierConfig
 from storage_backends.memory import MemoryTier
 from storage_backends.s3 import S3Tier

@@ -28,14 +28,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvtier.block import Block
 from kvtier.errors import AccessDenied, AuthError, InvalidRequest, ScopeError
 from kvtier.keys import Scope, Segment, block_chain
-from kvtier.server import kvtier_pb2 as pb
-from kvtier.server import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.wire import block_messages
+from kvtier.security.policy import Principal
 from kvtier.server.daemon import Daemon
 from kvtier.server.localdeploy import LocalDeployment
 from kvtier.server.observability import configure_logging
-from kvtier.server.wire import block_messages
-from kvtier.store import TieredStore
-from kvtier.tenancy import Principal
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.gpu import GpuTier
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.memory import MemoryTier

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvtier.cli import main as cli_main
+from kvtier.cli.main import main as cli_main
 
 
 def test_quick_daemon_benchmark(tmp_path: Path, capsys) -> None:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.e2e import ScenarioConfig, run_scenario
-from kvtier.cache import KVCache
-from kvtier.cli import main
+from kvtier.cache.kv_cache import KVCache
+from kvtier.cli.main import main
+from kvtier.engine.models import model_spec
 from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver
-from kvtier.models import model_spec
-from kvtier.store import TieredStore
-from kvtier.tenancy import Policy
+from kvtier.security.policy import Policy
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 
 SMALL_ARGS = ["--model", "tiny", "--doc-tokens", "200", "--question-tokens", "20", "--new-tokens", "3",

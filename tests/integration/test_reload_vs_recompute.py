@@ -10,15 +10,17 @@ import pytest
 import torch
 
 from benchmarks import reload_vs_recompute as rvr
+from benchmarks.throttle import ThrottledTier
 from kvtier.block import Block
-from kvtier.cli import main
-from kvtier.costmodel import CostModel, TierProfile, probe_host_to_device, probe_prefill
+from kvtier.cli.main import main
+from kvtier.engine.models import model_spec
+from kvtier.engine.prefill import PrefillRunner
 from kvtier.errors import ConfigError
 from kvtier.keys import Scope, Segment, block_chain
-from kvtier.models import model_spec
-from kvtier.prefill import PrefillRunner
-from kvtier.store import TieredStore
-from kvtier.throttle import ThrottledTier
+from kvtier.planning.cost_model import CostModel
+from kvtier.planning.probes import probe_host_to_device, probe_prefill
+from kvtier.planning.profiles import TierProfile
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from tests.helpers import DERIVER

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def run_cli(*argv: str) -> int:

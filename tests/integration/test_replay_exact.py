@@ -8,20 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.replay import (
-    MODES,
-    BeladyReference,
-    Capacity,
-    ReplayConfig,
-    Replayer,
-    TierSpec,
-    build_workload,
-    make_block,
-    parse_tiers,
-    replay,
-)
-from kvtier.errors import CorruptRecord
-from kvtier.trace import (
+from benchmarks.replay_reference import BeladyReference
+from benchmarks.replay_workload import MODES, Capacity, TierSpec, build_workload, make_block, parse_tiers
+from benchmarks.replayer import ReplayConfig, Replayer, replay
+from benchmarks.trace import (
     MooncakeScenario,
     MooncakeTrace,
     Part,
@@ -30,7 +20,8 @@ from kvtier.trace import (
     SeedScenario,
     default_trace_path,
 )
-from kvtier.trace import token_stream as tokens
+from benchmarks.trace import token_stream as tokens
+from kvtier.errors import CorruptRecord
 
 TRACE = default_trace_path()
 README_SHA256 = "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"

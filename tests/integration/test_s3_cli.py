@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from kvtier.cli import main
-from kvtier.embedded_s3 import STATE_FILE, EmbeddedS3, SeaweedPorts
+from kvtier.cli.main import main
 from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.server.embedded_s3 import STATE_FILE, EmbeddedS3, SeaweedPorts
 from storage_backends.s3 import S3Tier
 from tests.helpers import chain_blocks, same_bytes
 

@@ -7,8 +7,8 @@ import pytest
 
 from kvtier import codec
 from kvtier.errors import ConfigError
-from kvtier.remote_writer import RemoteWriter, RemoteWriterOptions
-from kvtier.store import TieredStore
+from kvtier.store.remote_writer import RemoteWriter, RemoteWriterOptions
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from tests.helpers import SMALL, chain_blocks, same_bytes

@@ -18,13 +18,16 @@ import msgpack
 import torch
 
 from kvtier import codec
-from kvtier.audit import AuditLog
-from kvtier.cache import CacheOptions, KVCache, RequestSegment, TimingMitigations
-from kvtier.crypto import FileKeyProvider, KeyRing, LmdbWrappedKeyStore, MirroredKeyStore, write_master_key
+from kvtier.cache.kv_cache import CacheOptions, KVCache, RequestSegment
 from kvtier.keys import ChainBlock
-from kvtier.store import TieredStore
-from kvtier.tenancy import ROLE_ADMIN, ROLE_OPERATOR, ROLE_PUBLISH_PUBLIC, Policy, Principal
-from kvtier.tier import Tier
+from kvtier.security.audit import AuditLog
+from kvtier.security.keyring import KeyRing
+from kvtier.security.master_keys import FileKeyProvider, write_master_key
+from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.security.timing import TimingMitigations
+from kvtier.security.wrapped_keys import LmdbWrappedKeyStore, MirroredKeyStore
+from kvtier.store.tier import Tier
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.gpu import GpuTier
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier

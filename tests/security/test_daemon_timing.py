@@ -13,8 +13,8 @@ import torch
 
 from kvtier.block import Block
 from kvtier.keys import Scope, Segment, block_chain
-from kvtier.server import kvtier_pb2 as pb
-from kvtier.server import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.daemon import Daemon
 from kvtier.server.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kvtier import codec
-from kvtier.cache import KVCache
+from kvtier.cache.kv_cache import KVCache
 from kvtier.errors import AccessDenied, AuthError
 from kvtier.keys import Scope
-from kvtier.tokens import HmacKey, MintRequest, TokenVerifier, mint
+from kvtier.security.tokens import HmacKey, MintRequest, TokenVerifier, mint
 from tests.security.builders import (
     ACME_ADMIN,
     ALICE,

@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from kvtier.block import Block
-from kvtier.cache import CacheOptions, KVCache
+from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.errors import AccessDenied, ScopeError
-from kvtier.store import TieredStore
-from kvtier.tenancy import Policy
+from kvtier.security.policy import Policy
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from tests.helpers import DERIVER, SMALL

@@ -9,9 +9,10 @@ import logging
 import pytest
 import torch
 
-from kvtier.crypto import FileKeyProvider, KeyRing, LocalKeyProvider, parse_master_key
 from kvtier.errors import KvtierError
-from kvtier.tokens import HmacKey, MintRequest, TokenVerifier, mint
+from kvtier.security.keyring import KeyRing
+from kvtier.security.master_keys import FileKeyProvider, LocalKeyProvider, parse_master_key
+from kvtier.security.tokens import HmacKey, MintRequest, TokenVerifier, mint
 from tests.security.builders import (
     ALICE,
     BOB,

@@ -16,7 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.cache import RequestSegment, TimingMitigations
+from kvtier.cache.kv_cache import RequestSegment
+from kvtier.security.timing import TimingMitigations
 from tests.security.builders import ALICE, BOB, BT, CURATOR, CacheRig, tensors
 
 TRIALS = 300

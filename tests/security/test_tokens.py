@@ -9,8 +9,8 @@ import pytest
 
 from kvtier.errors import AuthError
 from kvtier.keys import ScopeKind
-from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Policy, Principal
-from kvtier.tokens import Ed25519SigningKey, HmacKey, MintRequest, TokenVerifier, mint
+from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.security.tokens import Ed25519SigningKey, HmacKey, MintRequest, TokenVerifier, mint
 from tests.helpers import DERIVER
 
 NOW = 1_800_000_000.0

@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from kvtier.cache import KVCache, MissRateLimiter, RequestSegment, TimingMitigations
+from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, RateLimited, ScopeError
 from kvtier.keys import PUBLIC, Scope, Segment, key_domain
 from kvtier.layout import KVLayout
-from kvtier.store import TieredStore
-from kvtier.tenancy import Policy
+from kvtier.security.policy import Policy
+from kvtier.security.timing import MissRateLimiter, TimingMitigations
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 from tests.helpers import DERIVER, SMALL
 from tests.security.builders import (

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.cli import main as cli_main
-from kvtier.config import DaemonConfig, config_from_dict, field_table, field_table_markdown, load_config
+from kvtier.cli.main import main as cli_main
 from kvtier.errors import ConfigError
+from kvtier.server.config import DaemonConfig, config_from_dict, field_table, field_table_markdown, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

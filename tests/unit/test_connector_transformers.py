@@ -16,16 +16,19 @@ import pytest
 import torch
 
 from connectors.transformers_connector import Generation, TransformersConnector
-from kvtier.cache import KVCache, RequestSegment
-from kvtier.costmodel import CostModel, PrefillProfile, TierProfile
-from kvtier.crypto import KeyRing, LmdbWrappedKeyStore, LocalKeyProvider
+from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.engine.models import model_spec
+from kvtier.engine.prefill import PrefillRunner
 from kvtier.errors import AccessDenied, ConfigError, ScopeError
 from kvtier.keys import DomainDeriver, ScopeKind
-from kvtier.models import model_spec
-from kvtier.prefill import PrefillRunner
-from kvtier.store import TieredStore
-from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Policy, Principal
-from kvtier.tier import Tier
+from kvtier.planning.cost_model import CostModel
+from kvtier.planning.profiles import PrefillProfile, TierProfile
+from kvtier.security.keyring import KeyRing
+from kvtier.security.master_keys import LocalKeyProvider
+from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
+from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
+from kvtier.store.tier import Tier
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 

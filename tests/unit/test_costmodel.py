@@ -7,21 +7,14 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.costmodel import (
-    PLAN_STRATEGIES,
-    CostModel,
-    HostToDeviceProfile,
-    OnlineLinearFit,
-    PrefillProfile,
-    TierProfile,
-    h200_llama3_8b,
-    nonnegative_least_squares,
-    pairs,
-)
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
-from kvtier.store import Lookup, TierRun
-from kvtier.tier import Tier
+from kvtier.planning.cost_model import CostModel, h200_llama3_8b
+from kvtier.planning.fitting import OnlineLinearFit, nonnegative_least_squares
+from kvtier.planning.plans import PLAN_STRATEGIES
+from kvtier.planning.profiles import HostToDeviceProfile, PrefillProfile, TierProfile, pairs
+from kvtier.store.lookup import Lookup, TierRun
+from kvtier.store.tier import Tier
 
 LAYOUT = KVLayout("cm-test", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
 BPB = LAYOUT.bytes_per_block  # 32 KiB
@@ -346,7 +339,7 @@ class _Fixed(Tier):
 
 
 def test_store_plan_needs_a_cost_model_and_reads_nothing() -> None:
-    from kvtier.store import TieredStore
+    from kvtier.store.tiered_store import TieredStore
 
     store = TieredStore([_Fixed()], promote=False)
     keys = [bytes([i]) * 56 for i in range(8)]

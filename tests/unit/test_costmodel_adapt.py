@@ -7,9 +7,11 @@ import time
 
 import pytest
 
-from kvtier.costmodel import CostModel, PrefillProfile, TierProbe, probe_decrypt, probe_tier
-from kvtier.store import TieredStore
-from kvtier.throttle import LinkLimiter, ThrottledTier
+from benchmarks.throttle import LinkLimiter, ThrottledTier
+from kvtier.planning.cost_model import CostModel
+from kvtier.planning.probes import TierProbe, probe_decrypt, probe_tier
+from kvtier.planning.profiles import PrefillProfile
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 from tests.helpers import SMALL, chain_blocks
 

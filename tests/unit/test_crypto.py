@@ -12,25 +12,21 @@ import pytest
 import torch
 
 from kvtier import codec
-from kvtier.crypto import (
+from kvtier.errors import ConfigError, CorruptRecord, KeyUnavailable, TierUnavailable
+from kvtier.keys import Scope, ScopeDomain
+from kvtier.security.keyring import KeyRing, KeyRingOptions
+from kvtier.security.master_keys import (
     KEY_PROVIDERS,
     NONCE_BYTES,
     EnvKeyProvider,
     FileKeyProvider,
-    FileWrappedKeyStore,
-    KeyRing,
-    KeyRingOptions,
     KmsKeyProvider,
-    LmdbWrappedKeyStore,
     LocalKeyProvider,
-    MirroredKeyStore,
-    WrappedKey,
     key_provider,
     register_kms_client,
     write_master_key,
 )
-from kvtier.errors import ConfigError, CorruptRecord, KeyUnavailable, TierUnavailable
-from kvtier.keys import Scope, ScopeDomain
+from kvtier.security.wrapped_keys import FileWrappedKeyStore, LmdbWrappedKeyStore, MirroredKeyStore, WrappedKey
 from tests.helpers import DERIVER, chain_blocks, same_bytes
 
 KEK = bytes(range(32))

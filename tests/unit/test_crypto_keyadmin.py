@@ -7,10 +7,12 @@ import json
 import pytest
 
 from kvtier import codec
-from kvtier.audit import AuditLog
-from kvtier.cli import main
-from kvtier.crypto import FileKeyProvider, KeyRing, LmdbWrappedKeyStore
+from kvtier.cli.main import main
 from kvtier.keys import Scope
+from kvtier.security.audit import AuditLog
+from kvtier.security.keyring import KeyRing
+from kvtier.security.master_keys import FileKeyProvider
+from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
 from tests.helpers import chain_blocks, same_bytes
 
 

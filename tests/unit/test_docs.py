@@ -6,8 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
-from kvtier.cli import build_parser
-from kvtier.config import field_table_markdown
+from kvtier.cli.main import build_parser
+from kvtier.server.config import field_table_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 

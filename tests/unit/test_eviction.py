@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.eviction import POLICIES, EntryInfo, make_policy
+from kvtier.store.eviction import POLICIES, EntryInfo, make_policy
 
 
 def k(name: str) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.block import Block
-from kvtier.server.wire import BlockAssembler, ResponseSlots, WireFrame, decode_frame
+from kvtier.rpc.wire import BlockAssembler, ResponseSlots, WireFrame, decode_frame
 from storage_backends.frame_memory import FrameMemoryTier
 from tests.helpers import SMALL, chain_blocks, same_bytes
 

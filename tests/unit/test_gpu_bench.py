@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from benchmarks import gpu_bench
-from kvtier.transfer import TorchPageCopier, TransferConfig, TransferEngine
+from kvtier.transfer.copiers import TorchPageCopier
+from kvtier.transfer.device import TransferConfig
+from kvtier.transfer.engine import TransferEngine
 
 
 def bench_args(tmp_path: Path, *extra: str) -> argparse.Namespace:

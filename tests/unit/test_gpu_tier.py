@@ -9,8 +9,9 @@ import torch
 
 from kvtier.errors import ConfigError, LayoutMismatch, TierUnavailable, TransferError
 from kvtier.layout import KVLayout
-from kvtier.store import TieredStore
-from kvtier.transfer import TransferConfig, TransferEngine
+from kvtier.store.tiered_store import TieredStore
+from kvtier.transfer.device import TransferConfig
+from kvtier.transfer.engine import TransferEngine
 from storage_backends.gpu import GpuTier
 from storage_backends.memory import MemoryTier
 from tests.helpers import SMALL, chain_blocks, same_bytes

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from kvtier.engine.models import MODEL_SIZES, ModelSpec, model_spec, weights_digest
 from kvtier.errors import ConfigError
-from kvtier.models import MODEL_SIZES, ModelSpec, model_spec, weights_digest
 
 
 def test_registry_has_the_swept_sizes_in_increasing_cost() -> None:
@@ -42,7 +42,7 @@ def test_same_seed_same_weights_other_seed_other_weights() -> None:
 
 def test_weights_identical_in_another_process() -> None:
     code = (
-        "from kvtier.models import model_spec, weights_digest;"
+        "from kvtier.engine.models import model_spec, weights_digest;"
         "print(weights_digest(model_spec('tiny').build(7)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kvtier.block import Block
+from kvtier.engine.models import model_spec
+from kvtier.engine.prefill import PrefillRunner
 from kvtier.errors import LayoutMismatch
 from kvtier.keys import Segment, block_chain
-from kvtier.models import model_spec
-from kvtier.prefill import PrefillRunner
 from tests.helpers import DERIVER, SMALL
 
 TOL = 1e-4  # float32 twins: different matmul shapes only reorder sums

@@ -7,11 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.replay import Capacity, ReplayConfig, TierSpec, parse_tiers
-from kvtier.errors import ConfigError
-from kvtier.keys import DomainDeriver, Scope, ScopeKind
-from kvtier.layout import KVLayout
-from kvtier.trace import (
+from benchmarks.replay_workload import Capacity, TierSpec, parse_tiers
+from benchmarks.replayer import ReplayConfig
+from benchmarks.trace import (
     TRACE_BLOCK_TOKENS,
     VOCAB,
     MooncakeScenario,
@@ -22,6 +20,9 @@ from kvtier.trace import (
     isolation_rule,
     open_source,
 )
+from kvtier.errors import ConfigError
+from kvtier.keys import DomainDeriver, Scope, ScopeKind
+from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout("replay-test", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8", block_tokens=16)
 DERIVER = DomainDeriver(b"replay-unit-test-secret-0123456789")

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kvtier.errors import CorruptRecord
-from kvtier.tenancy import RevocationChange
-from storage_backends.s3 import S3Config
+from kvtier.security.policy import RevocationChange
+from storage_backends.s3_config import S3Config
 from storage_backends.s3_revocations import S3RevocationFeed
 from tests.helpers import DERIVER
 

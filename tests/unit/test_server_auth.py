@@ -10,7 +10,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kvtier.cli import main as cli_main
+from kvtier.cli.main import main as cli_main
 from kvtier.errors import (
     AccessDenied,
     AuthError,
@@ -22,6 +22,8 @@ from kvtier.errors import (
     TierUnavailable,
 )
 from kvtier.keys import DomainDeriver
+from kvtier.security.policy import Policy, Principal
+from kvtier.security.tokens import MintRequest, TokenVerifier, mint
 from kvtier.server.auth import (
     CallGate,
     GateOptions,
@@ -34,8 +36,6 @@ from kvtier.server.daemon import Daemon
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
 from kvtier.server.localdeploy import LocalDeployment
 from kvtier.server.observability import ServerMetrics
-from kvtier.tenancy import Policy, Principal
-from kvtier.tokens import MintRequest, TokenVerifier, mint
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import SECRET
 

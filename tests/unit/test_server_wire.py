@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import InvalidRequest, LayoutMismatch
-from kvtier.server import kvtier_pb2 as pb
-from kvtier.server.wire import (
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc.wire import (
     FRAME_OVERHEAD,
     BlockAssembler,
     ChunkFrame,

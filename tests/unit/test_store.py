@@ -6,7 +6,8 @@ import pytest
 
 from kvtier import codec
 from kvtier.keys import Scope
-from kvtier.store import TieredStore, TierRun
+from kvtier.store.lookup import TierRun
+from kvtier.store.tiered_store import TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from tests.helpers import SMALL, chain_blocks, same_bytes

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.audit import AuditLog
 from kvtier.errors import AccessDenied, ScopeError
 from kvtier.keys import PUBLIC, Scope, ScopeKind
-from kvtier.tenancy import (
+from kvtier.security.audit import AuditLog
+from kvtier.security.policy import (
     ROLE_ADMIN,
     ROLE_OPERATOR,
     ROLE_PUBLISH_ORG,

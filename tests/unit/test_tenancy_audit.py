@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from kvtier.audit import GENESIS, AuditLog
 from kvtier.errors import CorruptRecord
+from kvtier.security.audit import GENESIS, AuditLog
 
 
 def test_events_are_chained_and_read_back(tmp_path) -> None:

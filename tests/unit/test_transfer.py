@@ -12,17 +12,10 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, TransferError
-from kvtier.transfer import (
-    COPIERS,
-    DONE,
-    Completion,
-    StagingLease,
-    TorchPageCopier,
-    TransferConfig,
-    TransferEngine,
-    make_copier,
-    page_rows,
-)
+from kvtier.transfer.copiers import COPIERS, TorchPageCopier, make_copier, page_rows
+from kvtier.transfer.device import DONE, Completion, TransferConfig
+from kvtier.transfer.engine import TransferEngine
+from kvtier.transfer.staging import StagingLease
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]

@@ -42,10 +42,10 @@ from vllm.v1.request import Request
 from connectors.identity import mint_salt
 from connectors.provision import forget_shared_caches
 from connectors.vllm_connector import KvtierConnector
-from kvtier.cache import RequestSegment
+from kvtier.cache.kv_cache import RequestSegment
 from kvtier.errors import LayoutMismatch
 from kvtier.keys import ScopeKind
-from kvtier.tenancy import ROLE_PUBLISH_PUBLIC, Principal
+from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Principal
 
 BLOCK = 16
 HEADS = 2

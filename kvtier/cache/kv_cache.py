@@ -1,0 +1,409 @@
+"""KVCache: the in-process facade every user goes through (connectors, the daemon, the main job).
+
+Every call takes the authenticated principal and runs the policy before touching a tier:
+
+- ``chain`` derives keys from segments whose scopes are *relative* to the principal (``public``,
+  ``org``, ``user``, ``session``); a caller can never name another tenant's scope or domain.
+- ``lookup``/``load``/``save``/``delete`` never trust the scope or domain fields of a chain handed
+  back to them: the domain is read from each key's routing prefix and checked against the
+  principal's own domains, so a forged chain carrying another tenant's keys is refused before
+  any tier is asked.
+- ``purge`` deletes a scope from every tier and destroys its data key, journaled so a crash in the
+  middle resumes on the next start.
+- ``stats`` reports usage only for scopes the principal may read.
+
+Timing side channel (docs/security.md): cross-tenant hits on private content cannot happen (keys
+differ by construction); hits on public content are shared on purpose. ``TimingMitigations``
+offers a minimum shared-prefix length before a public-only hit is served and a per-principal
+limit on lookups that end in misses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.block import Block
+from kvtier.cache.purge import PurgeJournal, PurgeReport, ScopePurger
+from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, ScopeError
+from kvtier.keys import (
+    LAYOUT_TAG_BYTES,
+    BlockKey,
+    ChainBlock,
+    Scope,
+    ScopeDomain,
+    ScopeKind,
+    Segment,
+    block_chain,
+    key_domain,
+    key_layout_tag,
+)
+from kvtier.layout import KVLayout
+from kvtier.security.keyring import KeyRing
+from kvtier.security.policy import Op, Policy, Principal
+from kvtier.security.timing import TimingGuard, TimingMitigations
+from kvtier.store.lookup import Lookup
+from kvtier.store.tiered_store import TieredStore
+
+
+# =================================================================================================
+# Requests
+# =================================================================================================
+@dataclass(slots=True, frozen=True)
+class RequestSegment:
+    """A run of tokens and who may reuse its KV, relative to the caller: ``public``, ``org``,
+    ``user`` (the default: a principal's content lands in its own scope) or ``session``."""
+
+    tokens: Sequence[int]
+    scope: ScopeKind | str = ScopeKind.USER
+
+
+# =================================================================================================
+# The facade
+# =================================================================================================
+@dataclass(slots=True, frozen=True)
+class CacheOptions:
+    #: The key ring of the encrypting tiers: a purge destroys the scope's data keys in it.
+    keyring: KeyRing | None = None
+    #: Where purge intents are journaled (None: in memory, no resume after a crash).
+    journal_dir: str | os.PathLike[str] | None = None
+    mitigations: TimingMitigations = field(default_factory=TimingMitigations)
+    #: Holders of scope data outside the store's tiers (a location directory), purged too.
+    extra_purgers: tuple[ScopePurger, ...] = ()
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(slots=True, frozen=True)
+class SaveReport:
+    """``stored``: blocks newly written per tier; ``not_published``: chain indices skipped
+    because they are shared (public/org) content the principal may read but not publish."""
+
+    stored: dict[str, int]
+    offered: int
+    not_published: tuple[int, ...]
+
+
+class KVCache:
+    """The policy-checked front of a TieredStore, for one or more KV layouts.
+
+    Invariants: no tier is touched for a principal that is revoked, or for a block whose key
+    domain the principal may not use for that operation; blocks of a domain under purge are
+    neither served nor written (the store's write fence) until the purge finishes. The cache
+    itself holds no block data; ``counters`` (guarded by ``_lock``) count refusals and
+    mitigations. Unfinished purges found in the journal are resumed by the constructor.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        layouts: KVLayout | Sequence[KVLayout],
+        policy: Policy,
+        options: CacheOptions | None = None,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.options = options or CacheOptions()
+        layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
+        # No layouts is allowed: the gRPC daemon serves blocks by key and uses the cache only for
+        # policy-checked purges and stats; chain/save then raise LayoutMismatch (no layout to use).
+        self._layouts: dict[bytes, KVLayout] = {}
+        for lay in layouts:
+            tag = lay.fingerprint[:LAYOUT_TAG_BYTES]
+            if tag in self._layouts and self._layouts[tag] != lay:
+                raise ConfigError(f"two layouts share the tag {tag.hex()}")
+            self._layouts[tag] = lay
+        self.journal = PurgeJournal(self.options.journal_dir)
+        self._lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+        #: The timing mitigations; the daemon's service applies the same guard to its reads.
+        self.guard = TimingGuard(store, self.options.mitigations, self._count, self.options.clock)
+        self.resumed: list[PurgeReport] = self.resume_purges()
+
+    # -- keys -------------------------------------------------------------------------------------
+    def layout(self, which: KVLayout | str | None = None) -> KVLayout:
+        """The layout to use: the only one, or one named by model id or fingerprint hex."""
+        if isinstance(which, KVLayout):
+            if which.fingerprint[:LAYOUT_TAG_BYTES] not in self._layouts:
+                raise LayoutMismatch("layout is not served by this cache")
+            return which
+        if which is None:
+            if len(self._layouts) != 1:
+                raise LayoutMismatch(f"this cache serves {len(self._layouts)} layouts: name one")
+            return next(iter(self._layouts.values()))
+        found = [lay for lay in self._layouts.values() if which in (lay.model_id, lay.fingerprint.hex())]
+        if len(found) != 1:
+            raise LayoutMismatch(f"no single layout named {which!r}")
+        return found[0]
+
+    def chain(
+        self,
+        principal: Principal,
+        segments: Iterable[RequestSegment | Segment],
+        *,
+        layout: KVLayout | str | None = None,
+    ) -> list[ChainBlock]:
+        """Keys of every full block of a request, with scopes mapped to the principal's own.
+
+        ``keys.Segment`` (absolute scope) is accepted only when its scope is one the principal
+        can read, so a caller cannot reach another tenant's scope by naming it.
+        """
+        self.policy.require_active(principal)
+        lay = self.layout(layout)
+        resolved = []
+        for seg in segments:
+            scope = principal.own_scope(seg.scope) if isinstance(seg, RequestSegment) else seg.scope
+            if not self.policy.may_read(principal, scope):
+                raise AccessDenied(f"principal {principal.id} cannot use scope kind {scope.kind.name.lower()}")
+            resolved.append(Segment(seg.tokens, scope))
+        return block_chain(lay, resolved, self.policy.deriver)
+
+    # -- reads ------------------------------------------------------------------------------------
+    def lookup(self, principal: Principal, chain: Sequence[ChainBlock]) -> Lookup:
+        """Longest cached prefix of ``chain`` that ``principal`` may read.
+
+        Stops at the first block the principal may not read (counted as ``denied``) or whose
+        scope is being purged. A lookup that ends short of the chain counts as a miss for the
+        rate limit.
+        """
+        keys, readable = self._readable_prefix(principal, chain)
+        lk = self.guard.lookup(keys, readable)
+        self.guard.served(principal, lk.length, len(chain))
+        return Lookup(lk.runs, len(chain))
+
+    def load(
+        self,
+        principal: Principal,
+        chain: Sequence[ChainBlock],
+        n: int | None = None,
+    ) -> list[Block]:
+        """The verified blocks of the longest cached prefix of ``chain[:n]``.
+
+        Asking for a block the principal may not read is refused (AccessDenied) before any tier
+        is touched; a block that vanished or failed verification shortens the result.
+        """
+        n = len(chain) if n is None else n
+        if not 0 <= n <= len(chain):
+            raise ValueError(f"load: n={n} outside [0, {len(chain)}]")
+        self.policy.require_active(principal)
+        readable = self.policy.readable_domains(principal)
+        for i, cb in enumerate(chain[:n]):
+            if key_domain(cb.key) not in readable:
+                self._count("denied")
+                raise AccessDenied(f"block {i} of the chain is in a scope principal {principal.id} cannot read")
+        keys, _ = self._readable_prefix(principal, chain[:n], readable=readable)
+        lk = self.guard.lookup(keys, readable)
+        blocks = self.store.get(keys[: lk.length], domains=[key_domain(k) for k in keys[: lk.length]], lookup=lk)
+        self.guard.served(principal, len(blocks), n)
+        return blocks
+
+    def _readable_prefix(
+        self,
+        principal: Principal,
+        chain: Sequence[ChainBlock],
+        *,
+        readable: dict[ScopeDomain, Scope] | None = None,
+    ) -> tuple[list[BlockKey], dict[ScopeDomain, Scope]]:
+        self.policy.require_active(principal)
+        self.guard.admit(principal)
+        if readable is None:
+            readable = self.policy.readable_domains(principal)
+        keys: list[BlockKey] = []
+        fence = self.store.fence
+        for cb in chain:
+            dom = key_domain(cb.key)
+            if dom not in readable:
+                self._count("denied")
+                break
+            if fence.is_closed(dom):
+                self._count("purging_miss")
+                break
+            keys.append(cb.key)
+        return keys, readable
+
+    # -- writes -----------------------------------------------------------------------------------
+    def save(
+        self,
+        principal: Principal,
+        chain: Sequence[ChainBlock],
+        tensors: Sequence[torch.Tensor],
+        *,
+        start: int = 0,
+    ) -> SaveReport:
+        """Store ``tensors[i]`` as block ``chain[start + i]``.
+
+        Everything is validated before anything is written: a block in a scope the principal
+        cannot read (another tenant's), a malformed chain, a tensor of the wrong layout, or a
+        scope under purge raises and stores nothing. Shared blocks (public/org) the principal may
+        read but lacks the role to publish are skipped and listed in ``not_published``.
+        """
+        self.policy.require_active(principal)
+        if start < 0 or start + len(tensors) > len(chain):
+            raise LayoutMismatch(f"save: {len(tensors)} tensors from block {start} overrun a {len(chain)}-block chain")
+        _check_links(chain)
+        readable = self.policy.readable_domains(principal)
+        blocks: list[Block] = []
+        skipped: list[int] = []
+        for i, data in enumerate(tensors):
+            cb = chain[start + i]
+            dom = key_domain(cb.key)
+            scope = readable.get(dom)
+            if scope is None:
+                self._count("denied")
+                raise AccessDenied(f"block {start + i} of the chain is in a scope principal {principal.id} cannot use")
+            if self.store.fence.is_closed(dom):
+                raise AccessDenied(f"scope {scope} is being purged; writes are refused until the purge finishes")
+            if not self.policy.may_write(principal, scope):
+                if scope.kind >= ScopeKind.USER:
+                    raise AccessDenied(f"write to {scope} refused for principal {principal.id}")
+                skipped.append(start + i)
+                continue
+            blocks.append(Block.build(self._layout_of(cb.key), cb.key, dom, data, parent=cb.parent, index=cb.index))
+        if skipped:
+            self._count("not_published", len(skipped))
+        report = self.store.put(blocks) if blocks else None
+        return SaveReport(dict(report.stored) if report else {}, len(blocks), tuple(skipped))
+
+    def delete(self, principal: Principal, chain: Sequence[ChainBlock]) -> dict[str, int]:
+        """Delete these blocks from every tier; every block must be deletable by the principal."""
+        self.policy.require_active(principal)
+        readable = self.policy.readable_domains(principal)
+        for i, cb in enumerate(chain):
+            scope = readable.get(key_domain(cb.key))
+            if scope is None or not self.policy.may_delete(principal, scope):
+                self._count("denied")
+                raise AccessDenied(f"delete of block {i} of the chain refused for principal {principal.id}")
+        return self.store.delete([cb.key for cb in chain])
+
+    # -- purge ------------------------------------------------------------------------------------
+    def resolve_scope(self, actor: Principal, scope: Scope | ScopeKind | str) -> Scope:
+        """``"user"``/``ScopeKind.USER`` -> the actor's own; ``"user:<tenant>/<id>"`` or a Scope -> as named.
+
+        Naming a scope absolutely only works for principals the policy lets delete it (tenant
+        admins within their tenant, operators): purge checks ``may_delete`` on the result.
+        """
+        if isinstance(scope, Scope):
+            return scope
+        if isinstance(scope, ScopeKind) or ":" not in scope:
+            return actor.own_scope(scope)
+        return Scope.parse(scope)
+
+    def purge(self, actor: Principal, scope: Scope | ScopeKind | str, *, reason: str = "") -> PurgeReport:
+        """Remove every copy of ``scope`` from every tier and destroy its data keys.
+
+        Order: the intent is journaled; the store's write fence closes the domain (no put,
+        promotion, spill or upload can land behind the purge); the data keys are destroyed
+        first, so any copy still anywhere is unreadable from that moment; then each tier and
+        each extra purger deletes the domain; the keys are destroyed once more (a no-op unless
+        something raced); the journal entry is removed. Idempotent: purging an already purged
+        scope succeeds and removes nothing. A crash leaves the journal entry, and the next
+        KVCache resumes it.
+        """
+        target = self.resolve_scope(actor, scope)
+        try:
+            self.policy.authorize(Op.DELETE, actor, target)
+        except AccessDenied:
+            self._count("denied")
+            raise
+        domain = self.policy.domain(target)
+        audit = self.policy.audit
+        if audit is not None:
+            audit.append(actor.id, "purge.start", str(target), domain=domain.hex(), reason=reason)
+        report = self._purge_domain(domain, actor.id, scope_name=str(target))
+        if audit is not None:
+            audit.append(actor.id, "purge.done", str(target), domain=domain.hex(), removed=report.removed,
+                         keys_destroyed=report.keys_destroyed, resumed=report.resumed)
+        return report
+
+    def resume_purges(self) -> list[PurgeReport]:
+        """Finish every purge the journal says was started and not finished (run on construction)."""
+        out = []
+        for entry in self.journal.pending():
+            domain = ScopeDomain(bytes.fromhex(entry.domain))
+            if self.policy.audit is not None:
+                self.policy.audit.append(entry.actor, "purge.resume", entry.domain, domain=entry.domain)
+            report = self._purge_domain(domain, entry.actor, scope_name=None)
+            if self.policy.audit is not None:
+                self.policy.audit.append(entry.actor, "purge.done", entry.domain, domain=entry.domain,
+                                         removed=report.removed, keys_destroyed=report.keys_destroyed, resumed=True)
+            out.append(report)
+        return out
+
+    def _purge_domain(self, domain: ScopeDomain, actor_id: str, *, scope_name: str | None) -> PurgeReport:
+        entry, resumed = self.journal.begin(domain, actor_id)
+        keyring = self.options.keyring
+        with self.store.fence.closed(domain):
+            if keyring is not None:
+                entry.keys_destroyed += keyring.destroy(domain)
+                self.journal.progress(entry)
+            # Uploads of the scope queued before the fence closed: cancel them, wait out those in flight.
+            self.store.write_policy.forget(domain=domain)
+            holders: list[Any] = [*self.store.tiers, *self.options.extra_purgers]
+            for holder in holders:
+                entry.removed[holder.name] = entry.removed.get(holder.name, 0) + holder.delete_scope(domain)
+                self.journal.progress(entry)
+            if keyring is not None:
+                entry.keys_destroyed += keyring.destroy(domain)
+            self.journal.finish(entry)
+        return PurgeReport(domain.hex(), dict(entry.removed), entry.keys_destroyed, resumed, scope_name)
+
+    def remaining(self, actor: Principal, scope: Scope | ScopeKind | str) -> dict[str, int]:
+        """What is left of a scope in every holder (keys listed from the tiers' own storage) and
+        in the key ring: all zeros after a purge. Needs delete rights on the scope."""
+        target = self.resolve_scope(actor, scope)
+        self.policy.authorize(Op.DELETE, actor, target)
+        domain = self.policy.domain(target)
+        holders: list[Any] = [*self.store.tiers, *self.options.extra_purgers]
+        left = {h.name: len(h.keys_in_scope(domain)) for h in holders}
+        keyring = self.options.keyring
+        if keyring is not None:
+            left["data_keys"] = len(keyring.store.wrapped_for(domain))
+        return left
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self, principal: Principal, scope: ScopeKind | str | None = None) -> dict[str, Any]:
+        """Stored bytes per tier for each scope the principal may read (or only ``scope``), named
+        relative to the principal (``public``, ``org``, ``user``, ``session``)."""
+        self.policy.require_active(principal)
+        readable = self.policy.readable_domains(principal)
+        if scope is not None:
+            target = principal.own_scope(scope)
+            if not self.policy.may_read(principal, target):
+                self._count("denied")
+                raise AccessDenied(f"stats on {target} refused for principal {principal.id}")
+            readable = {d: s for d, s in readable.items() if s == target}
+        usage = [(t.name, t.usage().by_domain) for t in self.store.tiers]
+        scopes = {
+            s.kind.name.lower(): {name: int(by_domain.get(d, 0)) for name, by_domain in usage}
+            for d, s in readable.items()
+        }
+        return {"principal": principal.id, "scopes": scopes}
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[what] += n
+
+    def _layout_of(self, key: BlockKey) -> KVLayout:
+        lay = self._layouts.get(key_layout_tag(key))
+        if lay is None:
+            raise LayoutMismatch("chain key belongs to a layout this cache does not serve")
+        return lay
+
+
+def _check_links(chain: Sequence[ChainBlock]) -> None:
+    """A chain handed back by a caller must still be a chain: each block's parent is the previous key."""
+    for prev, cur in itertools.pairwise(chain):
+        if cur.parent != prev.key or cur.index != prev.index + 1:
+            raise ScopeError(f"malformed chain: block {cur.index} does not follow block {prev.index}")

@@ -1,0 +1,1 @@
+"""A real transformer computed with torch: model specs and a timed prefill runner."""

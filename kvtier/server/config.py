@@ -1,0 +1,566 @@
+"""Daemon configuration: a TOML file plus ``KVTIER_<SECTION>__<KEY>`` environment overrides.
+
+The schema is the dataclasses below: every field carries its documentation, and a validator
+where a type alone does not say what is allowed. ``load_config`` parses, applies environment
+overrides, checks types and ranges, then cross-field rules; every failure is a ConfigError whose
+message starts with the dotted field name (``tiers.memory.capacity_bytes: must be a positive
+integer``). ``field_table()`` lists every field for the operations guide.
+
+Relative paths are resolved against the directory of the config file, so a config and its key
+files can move together.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvtier.errors import ConfigError
+
+ENV_PREFIX = "KVTIER_"
+ENV_SEP = "__"
+
+Check = Callable[[Any], str | None]
+"""A field validator: returns a complaint (``must be ...``) or None when the value is fine."""
+
+
+def _meta(doc: str, *, check: Check | None = None, kind: str | None = None) -> dict[str, Any]:
+    return {"doc": doc, "check": check, "kind": kind}
+
+
+def _f(default: Any = MISSING, doc: str = "", *, check: Check | None = None, kind: str | None = None) -> Any:
+    """A schema field: its default, its documentation, and its validator (None: the type says all)."""
+    return field(default=default, metadata=_meta(doc, check=check, kind=kind))
+
+
+# -- validators ------------------------------------------------------------------------------------
+def positive(v: Any) -> str | None:
+    return None if v > 0 else "must be a positive integer" if isinstance(v, int) else "must be positive"
+
+
+def in_range(lo: float, hi: float) -> Check:
+    def check(v: Any) -> str | None:
+        return None if lo <= v <= hi else f"must be in [{lo}, {hi}], got {v}"
+
+    return check
+
+
+def one_of(choices: Callable[[], list[str]]) -> Check:
+    """Choices are looked up when validating, so registries filled at import are seen whole."""
+
+    def check(v: Any) -> str | None:
+        options = choices()
+        return None if v in options else f"must be one of {options}, got {v!r}"
+
+    return check
+
+
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def host_port(v: Any) -> str | None:
+    m = _HOST_PORT.match(v)
+    if not m or not 0 <= int(m.group(2)) <= 65535:
+        return f"must be host:port (e.g. 127.0.0.1:7070 or [::]:7070), got {v!r}"
+    return None
+
+
+def http_url(v: Any) -> str | None:
+    parts = urlsplit(v)
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        return f"must be an http(s)://host[:port] URL, got {v!r}"
+    return None
+
+
+def bucket_name(v: Any) -> str | None:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", v) or ".." in v:
+        return f"must be a valid S3 bucket name (3-63 of a-z 0-9 . -), got {v!r}"
+    return None
+
+
+def _eviction_policies() -> list[str]:
+    from kvtier.store.eviction import POLICIES
+
+    return sorted(POLICIES)
+
+
+def _write_policies() -> list[str]:
+    from kvtier.store.remote_writer import WRITE_POLICIES
+
+    return sorted(WRITE_POLICIES)
+
+
+def _log_levels() -> list[str]:
+    return ["debug", "info", "warning", "error"]
+
+
+# -- schema ----------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class ServerConfig:
+    """The gRPC listener, its limits, TLS, and the metrics endpoint."""
+
+    listen: str = _f("127.0.0.1:7070", "gRPC listen address host:port (port 0: any free port).", check=host_port)
+    metrics_listen: str | None = _f(
+        None,
+        "Prometheus /metrics listen address host:port; unset or empty: no endpoint.",
+        check=host_port,
+    )
+    max_message_bytes: int = _f(
+        64 << 20,
+        "Largest gRPC message either way, in bytes (sent and received).",
+        check=in_range(1 << 16, 1 << 30),
+    )
+    chunk_bytes: int = _f(
+        1 << 20,
+        "Payload bytes per streamed chunk; blocks larger than this travel as several messages.",
+        check=in_range(4096, 1 << 30),
+    )
+    max_inflight_bytes: int = _f(
+        2 << 30,
+        "Request and response payload bytes buffered at once, all clients together; more is "
+        "RESOURCE_EXHAUSTED.",
+        check=positive,
+    )
+    max_inflight_bytes_per_client: int = _f(512 << 20, "The same bound per client connection.", check=positive)
+    max_concurrent_rpcs: int = _f(
+        256,
+        "Cache RPCs served at once; further calls are RESOURCE_EXHAUSTED (health checks are exempt).",
+        check=in_range(1, 10000),
+    )
+    max_rpc_seconds: float = _f(
+        60.0,
+        "Deadline applied to every call (a client's shorter deadline wins).",
+        check=positive,
+    )
+    shutdown_grace_s: float = _f(
+        30.0,
+        "On SIGTERM, how long in-flight calls may finish before they are cancelled.",
+        check=in_range(0, 3600),
+    )
+    reflection: bool = _f(False, "Serve gRPC server reflection (still requires a token).")
+    tls_cert: str | None = _f(None, "PEM server certificate chain; with tls_key enables TLS.", kind="path")
+    tls_key: str | None = _f(None, "PEM private key of tls_cert.", kind="path")
+    tls_client_ca: str | None = _f(
+        None,
+        "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).",
+        kind="path",
+    )
+    log_level: str = _f("info", "Structured (JSON lines) log level on stderr.", check=one_of(_log_levels))
+
+
+@dataclass(slots=True, frozen=True)
+class AuthConfig:
+    """How capability tokens are verified. At least one key is required."""
+
+    token_key_file: str | None = _f(
+        None,
+        "HMAC-SHA256 token secret (at least 32 bytes; surrounding whitespace ignored).",
+        kind="path",
+    )
+    ed25519_public_key_file: str | None = _f(
+        None,
+        "PEM Ed25519 public key that verifies EdDSA tokens (the daemon cannot mint with it).",
+        kind="path",
+    )
+    audience: str | None = _f(None, "Required token audience (aud claim); unset: tokens without one.")
+    max_token_lifetime_s: float = _f(
+        86400.0,
+        "Tokens valid for longer than this (exp - iat) are refused.",
+        check=positive,
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class SecurityConfig:
+    """Deployment key material and where encryption applies."""
+
+    server_secret_file: str = _f(
+        MISSING,
+        "Secret that derives opaque scope-domain ids (>= 16 bytes). Identical on every node sharing a "
+        "remote tier. Required.",
+        kind="path",
+    )
+    master_key_file: str | None = _f(
+        None,
+        "Master key (KEK) file, mode 0600 (0640/0440 for Kubernetes fsGroup mounts): 32 raw bytes, 64 hex "
+        "digits or base64.",
+        kind="path",
+    )
+    master_key: str | None = _f(
+        None,
+        "Master key provider spec instead of master_key_file: env:VAR or kms:<client>:<key id>.",
+    )
+    encrypt_disk: bool = _f(True, "Encrypt records in the disk tier (AES-256-GCM, one data key per scope).")
+    encrypt_remote: bool = _f(True, "Encrypt records in the remote tier.")
+    key_store_dir: str | None = _f(
+        None,
+        "Where wrapped data keys are kept (LMDB). Default: <tiers.disk.path>/keys; required when encrypting "
+        "without a disk tier.",
+        kind="path",
+    )
+    audit_log_file: str | None = _f(
+        None,
+        "Hash-chained audit log of revocations and purges; also how revocations survive restarts. "
+        "Default: <tiers.disk.path>/audit.log when there is a disk tier.",
+        kind="path",
+    )
+    min_public_prefix_blocks: int = _f(
+        0,
+        "Timing mitigation: a hit lying entirely in public blocks is served only when it covers at least "
+        "this many blocks; 0: off. While on, per-key Gets (not prefix Gets) of public blocks return misses.",
+        check=in_range(0, 1 << 20),
+    )
+    miss_limit: int = _f(
+        0,
+        "Timing mitigation: lookups and gets ending in a miss allowed per principal per miss_window_s; "
+        "further reads are refused (RESOURCE_EXHAUSTED) until the window slides. 0: off.",
+        check=in_range(0, 1 << 30),
+    )
+    miss_window_s: float = _f(60.0, "The window of miss_limit, in seconds.", check=positive)
+    revocation_sync_s: float = _f(
+        5.0,
+        "How often revocations and grants made on other nodes are read from the remote tier's bucket (this "
+        "node's are published there as they happen); 0: off. Without tiers.remote they reach a node at restart.",
+        check=in_range(0, 3600),
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryTierConfig:
+    """The daemon's CPU RAM tier."""
+
+    capacity_bytes: int = _f(MISSING, "Host RAM for cached blocks, in bytes. Required.", check=positive)
+    policy: str = _f("lru", "Eviction policy.", check=one_of(_eviction_policies))
+
+
+@dataclass(slots=True, frozen=True)
+class DiskTierConfig:
+    """The daemon's local disk tier (LMDB)."""
+
+    path: str = _f(MISSING, "Directory of the LMDB environment (created if missing). Required.", kind="path")
+    capacity_bytes: int = _f(MISSING, "Record bytes kept on disk. Required.", check=positive)
+    policy: str = _f("lru", "Eviction policy.", check=one_of(_eviction_policies))
+    sync: bool = _f(True, "fsync every committed batch (crash-safe across power loss, not only process crashes).")
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteTierConfig:
+    """The shared S3-compatible tier. Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."""
+
+    endpoint: str = _f(MISSING, "S3 endpoint URL. Required.", check=http_url)
+    bucket: str = _f(MISSING, "Bucket (must exist). Required.", check=bucket_name)
+    prefix: str = _f("kv", "Object name prefix inside the bucket.")
+    region: str = _f("us-east-1", "Signing region.")
+    write_policy: str = _f("write-through", "When blocks are uploaded.", check=one_of(_write_policies))
+    connect_timeout_s: float = _f(1.0, "Connect timeout per S3 request.", check=positive)
+    read_timeout_s: float = _f(5.0, "Read timeout per S3 request.", check=positive)
+
+
+@dataclass(slots=True, frozen=True)
+class TiersConfig:
+    """The daemon's tiers, fastest first. At least one is required."""
+
+    memory: MemoryTierConfig | None = field(default=None, metadata=_meta("CPU RAM tier; absent: none."))
+    disk: DiskTierConfig | None = field(default=None, metadata=_meta("Disk tier; absent: none."))
+    remote: RemoteTierConfig | None = field(default=None, metadata=_meta("Remote tier; absent: none."))
+
+
+@dataclass(slots=True, frozen=True)
+class DaemonConfig:
+    """Everything ``kvtier serve`` needs. Immutable once loaded."""
+
+    # Sections have no dataclass defaults: a missing section is built from an empty table, so its
+    # required fields are reported by name instead of by a TypeError.
+    server: ServerConfig = field(metadata=_meta("gRPC server."))
+    auth: AuthConfig = field(metadata=_meta("Token verification."))
+    security: SecurityConfig = field(metadata=_meta("Key material and encryption."))
+    tiers: TiersConfig = field(metadata=_meta("Storage tiers."))
+
+    def validate(self) -> None:
+        """Cross-field rules; per-field rules ran while loading."""
+        for rule in CROSS_FIELD_RULES:
+            complaint = rule(self)
+            if complaint is not None:
+                raise ConfigError(complaint)
+
+    @property
+    def audit_log_path(self) -> str | None:
+        if self.security.audit_log_file:
+            return self.security.audit_log_file
+        return str(Path(self.tiers.disk.path) / "audit.log") if self.tiers.disk else None
+
+    @property
+    def key_store_path(self) -> str | None:
+        if self.security.key_store_dir:
+            return self.security.key_store_dir
+        return str(Path(self.tiers.disk.path) / "keys") if self.tiers.disk else None
+
+    @property
+    def purge_journal_path(self) -> str | None:
+        """Unfinished purges are journaled beside the disk tier (resumed on the next start)."""
+        return str(Path(self.tiers.disk.path) / "purges") if self.tiers.disk else None
+
+    @property
+    def encrypting(self) -> bool:
+        s, t = self.security, self.tiers
+        return (s.encrypt_disk and t.disk is not None) or (s.encrypt_remote and t.remote is not None)
+
+
+# -- cross-field rules (strategies: each returns a complaint naming its field, or None) ------------
+def _tls_pair(c: DaemonConfig) -> str | None:
+    s = c.server
+    if (s.tls_cert is None) != (s.tls_key is None):
+        return "server.tls_cert: tls_cert and tls_key must be set together"
+    if s.tls_client_ca is not None and s.tls_cert is None:
+        return "server.tls_client_ca: mutual TLS needs server.tls_cert and server.tls_key"
+    return None
+
+
+def _limits(c: DaemonConfig) -> str | None:
+    s = c.server
+    if s.max_inflight_bytes_per_client > s.max_inflight_bytes:
+        return "server.max_inflight_bytes_per_client: must not exceed server.max_inflight_bytes"
+    if s.chunk_bytes + (64 << 10) > s.max_message_bytes:
+        return "server.chunk_bytes: must be at least 64 KiB below server.max_message_bytes (room for headers)"
+    return None
+
+
+def _has_tier(c: DaemonConfig) -> str | None:
+    t = c.tiers
+    if t.memory is None and t.disk is None and t.remote is None:
+        return "tiers: configure at least one of [tiers.memory], [tiers.disk], [tiers.remote]"
+    return None
+
+
+def _token_key(c: DaemonConfig) -> str | None:
+    if c.auth.token_key_file is None and c.auth.ed25519_public_key_file is None:
+        return "auth.token_key_file: set token_key_file and/or ed25519_public_key_file (calls must be authenticated)"
+    return None
+
+
+def _secrets(c: DaemonConfig) -> str | None:
+    s = c.security
+    if s.master_key_file is not None and s.master_key is not None:
+        return "security.master_key: set master_key_file or master_key, not both"
+    encrypting = c.encrypting
+    if encrypting and s.master_key_file is None and s.master_key is None:
+        return "security.master_key_file: required while encrypt_disk/encrypt_remote applies to a configured tier"
+    if encrypting and s.key_store_dir is None and c.tiers.disk is None:
+        return "security.key_store_dir: required when encrypting without a disk tier (wrapped data keys live there)"
+    if s.master_key is not None and not re.match(r"^(env|kms):", s.master_key):
+        return f"security.master_key: expected env:VAR or kms:<client>:<key id>, got {s.master_key.split(':')[0]!r}:..."
+    return None
+
+
+def _write_policy_needs_local(c: DaemonConfig) -> str | None:
+    r = c.tiers.remote
+    if r is not None and r.write_policy == "write-back" and c.tiers.memory is None and c.tiers.disk is None:
+        return "tiers.remote.write_policy: write-back needs a local tier to write back from"
+    return None
+
+
+CROSS_FIELD_RULES: tuple[Callable[[DaemonConfig], str | None], ...] = (
+    _has_tier, _tls_pair, _limits, _token_key, _secrets, _write_policy_needs_local,
+)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def load_config(path: str | os.PathLike[str] | None, *, env: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Read ``path`` (None: defaults only), apply ``KVTIER_*__*`` overrides from ``env``, validate."""
+    raw: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"config file {p}: cannot read ({exc.strerror})") from None
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p}: invalid TOML: {exc}") from None
+        base = p.resolve().parent
+    return config_from_dict(raw, env=os.environ if env is None else env, base_dir=base)
+
+
+def config_from_dict(
+    raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None, base_dir: Path | None = None
+) -> DaemonConfig:
+    data = _deep_copy(raw)
+    for dotted, value in _env_overrides(env or {}):
+        _set_path(data, dotted, value)
+    cfg = _build(DaemonConfig, data, "", base_dir or Path.cwd())
+    cfg.validate()
+    return cfg
+
+
+class _EnvValue(str):
+    """A string that came from the environment: converted to the field's type when building.
+
+    ``var`` names the variable, so an error can say where a bad value came from.
+    """
+
+
+def _env_overrides(env: Mapping[str, str]) -> Iterator[tuple[list[str], _EnvValue]]:
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or ENV_SEP not in name:
+            continue  # e.g. KVTIER_MASTER_KEY: not a config override
+        parts = name[len(ENV_PREFIX) :].lower().split(ENV_SEP)
+        if not all(parts):
+            raise ConfigError(f"{name}: malformed override name (expected KVTIER_<SECTION>__<KEY>)")
+        v = _EnvValue(env[name])
+        v.var = name
+        yield parts, v
+
+
+def _set_path(data: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (override {value.var})")
+        node = child
+    node[parts[-1]] = value
+
+
+def _deep_copy(v: Any) -> Any:
+    return {k: _deep_copy(x) for k, x in v.items()} if isinstance(v, Mapping) else v
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _build(cls: type, data: Any, prefix: str, base: Path) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a table (section), got {type(data).__name__}")
+    hints = _hints(cls)
+    known = {f.name for f in fields(cls)}
+    for k in data:
+        if k not in known:
+            raise ConfigError(f"{prefix}{k}: unknown field; known fields of {where}: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        name = prefix + f.name
+        tp, optional = _unwrap_optional(hints[f.name])
+        if f.name not in data:
+            if is_dataclass(tp) and not optional:
+                kwargs[f.name] = _build(tp, {}, name + ".", base)
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"{name}: required")
+            continue
+        value = data[f.name]
+        if is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, name + ".", base)
+            continue
+        value = _convert(name, tp, optional, value)
+        if value is None:
+            kwargs[f.name] = None
+            continue
+        check = f.metadata.get("check")
+        complaint = check(value) if check else None
+        if complaint is not None:
+            raise ConfigError(f"{name}: {complaint}{_origin(data[f.name])}")
+        if f.metadata.get("kind") == "path":
+            value = str((base / value).resolve()) if not Path(value).is_absolute() else value
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _origin(value: Any) -> str:
+    return f" (from {value.var})" if isinstance(value, _EnvValue) else ""
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def _convert(name: str, tp: Any, optional: bool, value: Any) -> Any:
+    """Type-check a TOML value, or parse an environment string into the field's type."""
+    if isinstance(value, _EnvValue):
+        text = str(value).strip()
+        if optional and text == "":
+            return None
+        try:
+            if tp is bool:
+                return _BOOLS[text.lower()]
+            if tp is int:
+                return int(text, 0) if text.lower().startswith(("0x", "0o", "0b")) else int(text)
+            if tp is float:
+                return float(text)
+        except (KeyError, ValueError):
+            raise ConfigError(f"{name}: must be {_TYPE_WORDS[tp]}, got {text!r} (from {value.var})") from None
+        return str(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and optional and value == "":
+        return None
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        hint = "must be a positive integer" if tp is int else f"must be {_TYPE_WORDS.get(tp, tp.__name__)}"
+        raise ConfigError(f"{name}: {hint}, got {type(value).__name__} {value!r}")
+    return value
+
+
+# -- documentation ---------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class FieldDoc:
+    """One row of the configuration reference."""
+
+    path: str
+    type: str
+    default: str
+    env: str
+    doc: str
+
+
+def field_table() -> list[FieldDoc]:
+    """Every configuration field, in file order, for docs/operations.md."""
+    rows: list[FieldDoc] = []
+    _walk(DaemonConfig, "", rows)
+    return rows
+
+
+def _walk(cls: type, prefix: str, rows: list[FieldDoc]) -> None:
+    hints = _hints(cls)
+    for f in fields(cls):
+        tp, optional = _unwrap_optional(hints[f.name])
+        name = prefix + f.name
+        if is_dataclass(tp):
+            _walk(tp, name + ".", rows)
+            continue
+        if f.default is not MISSING:
+            default = "(unset)" if f.default is None else repr(f.default).lower() if tp is bool else repr(f.default)
+        else:
+            default = "(required)"
+        word = "path" if f.metadata.get("kind") == "path" else {int: "integer", float: "number", bool: "boolean",
+                                                                  str: "string"}[tp]
+        env = ENV_PREFIX + ENV_SEP.join(name.split(".")).upper()
+        rows.append(FieldDoc(name, word + (" (optional)" if optional else ""), default, env, f.metadata["doc"]))
+
+
+def field_table_markdown() -> str:
+    lines = ["| field | type | default | environment | meaning |", "|---|---|---|---|---|"]
+    for r in field_table():
+        lines.append(f"| `{r.path}` | {r.type} | `{r.default}` | `{r.env}` | {r.doc} |")
+    return "\n".join(lines) + "\n"

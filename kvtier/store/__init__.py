@@ -1,0 +1,1 @@
+"""The store: the tier contract, the tiered store, lookups, eviction, remote writes, metrics."""

@@ -1,0 +1,196 @@
+"""The Tier contract: one small, batch-first interface that every storage tier implements."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.block import Block
+from kvtier.errors import LayoutMismatch
+from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.store.metrics import TierMetrics
+from kvtier.store.pin_table import PinTable
+
+
+@dataclass(slots=True)
+class PutResult:
+    """What a put did. ``evicted`` carries the blocks pushed out to make room (for spilling down)."""
+
+    stored: list[BlockKey] = field(default_factory=list)
+    present: list[BlockKey] = field(default_factory=list)
+    rejected: list[BlockKey] = field(default_factory=list)
+    evicted: list[Block] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class TierUsage:
+    blocks: int
+    bytes: int
+    capacity_bytes: int | None
+    by_domain: dict[ScopeDomain, int]
+
+
+def batch_protected(blocks: Sequence[Block]) -> set[BlockKey]:
+    """Keys a put may not evict to make room for ``blocks``: the batch's own members, and the
+    parents they are about to hang from (evicting one would strand its new child)."""
+    return {b.key for b in blocks} | {b.meta.parent for b in blocks if b.meta.parent is not None}
+
+
+class DomainIndex:
+    """Which keys a tier holds, the scope domain and byte size of each, and the totals.
+
+    Exactly the tier's stored keys; mutated only by the owning tier under its own lock (this
+    class takes none). Shared by the tiers that keep their index in memory, so per-domain usage,
+    listing and purge are computed one way everywhere.
+    """
+
+    __slots__ = ("_by_domain", "_domain_bytes", "_entries", "used")
+
+    def __init__(self) -> None:
+        self._entries: dict[BlockKey, tuple[ScopeDomain, int]] = {}
+        self._by_domain: dict[ScopeDomain, set[BlockKey]] = {}
+        self._domain_bytes: dict[ScopeDomain, int] = {}
+        self.used = 0
+
+    def add(self, key: BlockKey, domain: ScopeDomain, nbytes: int) -> None:
+        assert key not in self._entries, "a key is indexed once"
+        self._entries[key] = (domain, nbytes)
+        self._by_domain.setdefault(domain, set()).add(key)
+        self._domain_bytes[domain] = self._domain_bytes.get(domain, 0) + nbytes
+        self.used += nbytes
+
+    def drop(self, key: BlockKey) -> tuple[ScopeDomain, int]:
+        domain, nbytes = self._entries.pop(key)
+        keys = self._by_domain[domain]
+        keys.discard(key)
+        self._domain_bytes[domain] -= nbytes
+        if not keys:
+            del self._by_domain[domain]
+            del self._domain_bytes[domain]
+        self.used -= nbytes
+        return domain, nbytes
+
+    def size(self, key: BlockKey) -> int:
+        return self._entries[key][1]
+
+    def keys(self, domain: ScopeDomain) -> list[BlockKey]:
+        return list(self._by_domain.get(domain, ()))
+
+    def usage(self, capacity_bytes: int | None) -> TierUsage:
+        return TierUsage(len(self._entries), self.used, capacity_bytes, dict(self._domain_bytes))
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._by_domain.clear()
+        self._domain_bytes.clear()
+        self.used = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Tier(ABC):
+    """A storage tier. All calls are batch-first and thread-safe.
+
+    Contract (checked by tests/contract/test_tier_contract.py for every tier):
+    - ``contains(keys)`` returns the length of the longest prefix of ``keys`` that is present.
+    - ``get(keys)`` returns a list aligned with ``keys``: the verified block, or None for a miss.
+      A record that fails verification is a miss, is removed, and is counted as an error.
+    - ``put(blocks)`` stores what fits, evicting unpinned entries by the tier's policy; a key
+      already present is left as it is (keys are content hashes). It never raises for lack of room.
+    - ``delete(keys)`` / ``delete_scope(domain)`` return how many entries were removed.
+    - Payloads are copied in and out: callers never alias a tier's storage.
+    """
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.metrics = TierMetrics(self.name)
+        self.pins = PinTable()
+        #: Whether put() should return evicted blocks with their data (set by a store that spills).
+        self.spill_evicted = False
+
+    @abstractmethod
+    def contains(self, keys: Sequence[BlockKey]) -> int: ...
+
+    @abstractmethod
+    def get(self, keys: Sequence[BlockKey]) -> list[Block | None]: ...
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[Block | None]:
+        """Like get(), but payloads land in caller-owned tensors (the engine's pages, a pinned
+        staging buffer), saving an allocation per block. Tiers override this to copy only once."""
+        assert len(outs) == len(keys)
+        got = self.get(keys)
+        res: list[Block | None] = []
+        for blk, out in zip(got, outs, strict=True):
+            if blk is None:
+                res.append(None)
+                continue
+            if out.dtype != blk.data.dtype or tuple(out.shape) != tuple(blk.data.shape):
+                raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
+            out.copy_(blk.data)
+            res.append(Block(blk.meta, out))
+        return res
+
+    @abstractmethod
+    def put(self, blocks: Sequence[Block]) -> PutResult: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> int: ...
+
+    @abstractmethod
+    def delete_scope(self, domain: ScopeDomain) -> int: ...
+
+    @abstractmethod
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
+        """Every key stored under ``domain`` (for purge verification and listing)."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the tier is unusable afterwards."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class IndexedTier(Tier):
+    """A tier whose stored keys live in an in-memory DomainIndex (``_index``) guarded by ``_lock``.
+
+    Subclasses set ``_index``, ``_lock`` and ``capacity_bytes`` and keep ``_index`` equal to the
+    set of stored keys; prefix probes, listing, scope deletion and usage then follow from it.
+    """
+
+    _index: DomainIndex
+    _lock: threading.RLock
+    capacity_bytes: int | None
+
+    def contains(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            for i, k in enumerate(keys):
+                if k not in self._index:
+                    return i
+            return len(keys)
+
+    def delete_scope(self, domain: ScopeDomain) -> int:
+        with self._lock:
+            return self.delete(self._index.keys(domain))
+
+    def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]:
+        with self._lock:
+            return self._index.keys(domain)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return self._index.usage(self.capacity_bytes)

@@ -1,0 +1,1 @@
+"""The transfer engine: page copies between device memory and host staging buffers."""
