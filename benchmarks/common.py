@@ -1,9 +1,10 @@
-"""Shared benchmark plumbing: timing, progress, tables, JSON."""
+"""Shared benchmark plumbing: timing, progress, tables, JSON, stopping a started process."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -64,3 +65,14 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     progress(f"wrote {p}")
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
+    """Stop a process this benchmark started (a ``kvtier serve`` daemon): SIGTERM, then SIGKILL
+    after ``grace_s`` seconds; waits for it to exit."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

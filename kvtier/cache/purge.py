@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kvtier.durable import fsync_dir
 from kvtier.keys import (
     BlockKey,
     ScopeDomain,
@@ -94,7 +95,7 @@ class PurgeJournal:
             self._mem.pop(entry.domain, None)
             if self.path is not None:
                 (self.path / f"{entry.domain}.purge").unlink(missing_ok=True)
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
 
     def pending(self) -> list[_JournalEntry]:
         with self._lock:
@@ -114,7 +115,7 @@ class PurgeJournal:
         finally:
             os.close(fd)
         os.replace(tmp, final)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
 
 def _load_entry(f: Path) -> _JournalEntry:
@@ -128,11 +129,3 @@ def _load_entry(f: Path) -> _JournalEntry:
         # domain in the file name, which is enough to redo the purge from scratch.
         entry = _JournalEntry(f.stem, "unknown", f.stat().st_mtime)
     return entry
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -7,7 +7,6 @@ import binascii
 import hashlib
 import hmac
 import os
-import stat
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.errors import ConfigError, KeyUnavailable, TierUnavailable
 from kvtier.keys import ScopeDomain
+from kvtier.security.secrets import read_secret_file
 
 KEK_BYTES = 32
 DEK_BYTES = 32
@@ -110,24 +110,14 @@ class FileKeyProvider(LocalKeyProvider):
     """Master key from a file that only its owner may read (mode 0600 or 0400).
 
     ``allow_group_read`` admits 0440/0640 for deployments that hand the key to a non-root process
-    through its group (a Kubernetes Secret volume with ``fsGroup``); write or "other" bits are
-    refused regardless.
+    through its group (a Kubernetes Secret volume with ``fsGroup``); group write and any "other"
+    access are refused regardless (the rule of ``kvtier.security.secrets``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, allow_group_read: bool = False) -> None:
         p = Path(path)
-        try:
-            st = os.stat(p)
-        except FileNotFoundError:
-            raise ConfigError(f"master key file {p} does not exist") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"master key file {p} is not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        forbidden = 0o037 if allow_group_read else 0o077
-        if mode & forbidden:
-            need = "0600 or 0640 (no group write, no other access)" if allow_group_read else "0600 (no group/other)"
-            raise ConfigError(f"master key file {p} has mode {mode:04o}; it must be {need}")
-        super().__init__(parse_master_key(p.read_bytes(), f"file {p}"), source=f"file:{p}")
+        data = read_secret_file(p, "master key file", allow_group_read=allow_group_read)
+        super().__init__(parse_master_key(data, f"file {p}"), source=f"file:{p}")
 
 
 class EnvKeyProvider(LocalKeyProvider):

@@ -13,6 +13,7 @@ from typing import Protocol
 import lmdb
 import msgpack
 
+from kvtier.durable import fsync_dir
 from kvtier.errors import CorruptRecord, TierUnavailable
 from kvtier.keys import DOMAIN_BYTES, ScopeDomain
 from kvtier.security.master_keys import DEK_ID_BYTES
@@ -166,7 +167,7 @@ class FileWrappedKeyStore:
         finally:
             os.close(fd)
         os.replace(tmp, final)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def wrapped_for(self, domain: ScopeDomain) -> list[WrappedKey]:
         return [WrappedKey.decode(f.read_bytes()) for f in sorted(self.path.glob(f"{domain.hex()}.*.key"))]
@@ -176,20 +177,12 @@ class FileWrappedKeyStore:
         for f in self.path.glob(f"{domain.hex()}.*"):
             f.unlink(missing_ok=True)
             n += f.suffix == ".key"
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         return n
 
     def all_wrapped(self) -> Iterator[WrappedKey]:
         for f in sorted(self.path.glob("*.key")):
             yield WrappedKey.decode(f.read_bytes())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class MirroredKeyStore:

@@ -13,34 +13,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from kvtier.errors import (
-    AccessDenied,
-    AuthError,
-    ConfigError,
-    CorruptRecord,
-    DeadlineExceeded,
-    InvalidRequest,
-    KvtierError,
-    LayoutMismatch,
-    Overloaded,
-    RateLimited,
-    ScopeError,
-    TierUnavailable,
-)
+from kvtier.errors import AuthError, ConfigError, DeadlineExceeded, InvalidRequest, KvtierError, TierUnavailable
+from kvtier.rpc.status import abort_rpc, status_of
 from kvtier.security.policy import Policy, Principal
+from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.security.tokens import Ed25519SigningKey, Ed25519VerifyKey, HmacKey, TokenVerifier, VerifyKey
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper, Lease
 from kvtier.server.observability import ServerMetrics
@@ -53,45 +39,11 @@ BEARER = "Bearer "
 UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 MIN_HMAC_SECRET = 32
 
-#: kvtier exception -> status code, most specific first (the first isinstance match wins).
-STATUS_OF: tuple[tuple[type[KvtierError], grpc.StatusCode], ...] = (
-    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
-    (RateLimited, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (AccessDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (ScopeError, grpc.StatusCode.INVALID_ARGUMENT),
-    (LayoutMismatch, grpc.StatusCode.INVALID_ARGUMENT),
-    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (CorruptRecord, grpc.StatusCode.DATA_LOSS),
-    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    (KvtierError, grpc.StatusCode.INTERNAL),
-)
-
-
-def status_of(exc: KvtierError) -> grpc.StatusCode:
-    return next(code for cls, code in STATUS_OF if isinstance(exc, cls))
-
 
 # -- token keys -----------------------------------------------------------------------------------
-def _read_secret_file(path: str, field_name: str) -> bytes:
-    p = Path(path)
-    try:
-        st = os.stat(p)
-    except OSError as exc:
-        raise ConfigError(f"{field_name}: cannot read {p} ({exc.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{field_name}: {p} is not a regular file")
-    # Group read is allowed: Kubernetes mounts secrets group-readable for the pod's fsGroup.
-    if stat.S_IMODE(st.st_mode) & 0o007:
-        raise ConfigError(f"{field_name}: {p} is readable by others (mode {stat.S_IMODE(st.st_mode):04o}); chmod o-rwx")
-    return p.read_bytes()
-
-
 def hmac_key_from_file(path: str, field_name: str = "auth.token_key_file") -> HmacKey:
     """The HMAC token key; its kid is a hash of the secret, so minter and daemon agree without config."""
-    secret = _read_secret_file(path, field_name).strip()
+    secret = read_secret_file(path, field_name).strip()
     if len(secret) < MIN_HMAC_SECRET:
         raise ConfigError(f"{field_name}: the token secret must be at least {MIN_HMAC_SECRET} bytes, got {len(secret)}")
     kid = "hs-" + hashlib.sha256(b"kvtier-token-kid-v1\x00" + secret).hexdigest()[:16]
@@ -104,22 +56,18 @@ def _ed25519_kid(public: Ed25519PublicKey) -> str:
 
 
 def ed25519_verify_key_from_file(path: str, field_name: str = "auth.ed25519_public_key_file") -> Ed25519VerifyKey:
-    p = Path(path)
-    try:
-        pem = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{field_name}: cannot read {p} ({exc.strerror})") from None
+    pem = read_public_file(path, field_name)
     try:
         public = serialization.load_pem_public_key(pem)
     except ValueError:
-        raise ConfigError(f"{field_name}: {p} is not a PEM public key") from None
+        raise ConfigError(f"{field_name}: {path} is not a PEM public key") from None
     if not isinstance(public, Ed25519PublicKey):
-        raise ConfigError(f"{field_name}: {p} holds a {type(public).__name__}, not an Ed25519 public key")
+        raise ConfigError(f"{field_name}: {path} holds a {type(public).__name__}, not an Ed25519 public key")
     return Ed25519VerifyKey(_ed25519_kid(public), public)
 
 
 def ed25519_signing_key_from_file(path: str, field_name: str = "--ed25519-private-key") -> Ed25519SigningKey:
-    pem = _read_secret_file(path, field_name)
+    pem = read_secret_file(path, field_name)
     try:
         private = serialization.load_pem_private_key(pem, password=None)
     except (ValueError, TypeError):
@@ -315,8 +263,7 @@ class CallGate(grpc.ServerInterceptor):
         except KvtierError as exc:
             self.metrics.call_failed(method, status_of(exc).name)
             self._log_refusal(method, context.peer(), exc)
-            context.abort(status_of(exc), str(exc))
-            raise AssertionError("unreachable: abort raises") from exc
+            abort_rpc(context, exc)
         now = time.monotonic()
         remaining = context.time_remaining()
         budget = self.options.max_rpc_seconds
@@ -350,7 +297,7 @@ class CallGate(grpc.ServerInterceptor):
         else:
             log.info("call refused", extra={"event": "call_refused", "method": call.method,
                                             "principal": call.principal.id, "code": code.name, "error": str(exc)})
-        call.context.abort(code, str(exc))
+        abort_rpc(call.context, exc)
 
     def _crashed(self, call: Call) -> None:
         # A bug, not a refusal: gRPC answers UNKNOWN; the traceback goes to the log once, here.

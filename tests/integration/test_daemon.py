@@ -25,6 +25,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from benchmarks.localdeploy import LocalDeployment
 from kvtier.block import Block
 from kvtier.errors import AccessDenied, AuthError, InvalidRequest, ScopeError
 from kvtier.keys import Scope, Segment, block_chain
@@ -33,7 +34,6 @@ from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
 from kvtier.rpc.wire import block_messages
 from kvtier.security.policy import Principal
 from kvtier.server.daemon import Daemon
-from kvtier.server.localdeploy import LocalDeployment
 from kvtier.server.observability import configure_logging
 from kvtier.store.tiered_store import TieredStore
 from storage_backends.gpu import GpuTier
@@ -288,6 +288,7 @@ def _pki(root: Path) -> dict[str, bytes]:
         out[f"{who}_key"] = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     for name, data in out.items():
         (root / f"{name}.pem").write_bytes(data)
+        (root / f"{name}.pem").chmod(0o600)  # private keys must pass the secret-file rule
     return out
 
 

@@ -10,6 +10,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from benchmarks.localdeploy import LocalDeployment
 from kvtier.cli.main import main as cli_main
 from kvtier.errors import (
     AccessDenied,
@@ -22,6 +23,7 @@ from kvtier.errors import (
     TierUnavailable,
 )
 from kvtier.keys import DomainDeriver
+from kvtier.rpc.status import status_of
 from kvtier.security.policy import Policy, Principal
 from kvtier.security.tokens import MintRequest, TokenVerifier, mint
 from kvtier.server.auth import (
@@ -30,11 +32,9 @@ from kvtier.server.auth import (
     ed25519_signing_key_from_file,
     ed25519_verify_key_from_file,
     hmac_key_from_file,
-    status_of,
 )
 from kvtier.server.daemon import Daemon
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
-from kvtier.server.localdeploy import LocalDeployment
 from kvtier.server.observability import ServerMetrics
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import SECRET
