@@ -15,7 +15,7 @@ from kvtier.block import Block
 from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.store.metrics import TierMetrics
 from kvtier.store.pin_table import PinTable
-from kvtier.store.tier import PutResult, Tier, TierUsage
+from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
 
 
 class LinkLimiter:
@@ -61,10 +61,9 @@ class ThrottledTier(Tier):
     latency plus bytes over bandwidth; ``contains`` pays one round trip.
 
     The wrapper owns no data and no counters: every call is answered by ``inner`` and returned
-    unchanged, and ``metrics``, ``pins`` and the spill flag are the inner tier's (the store's
-    PinTable must reach the tier that evicts). Time spent on the link is recorded in the inner
-    metrics under ``link_get``/``link_put``. The link can be reconfigured at any time
-    (``set_link``) to emulate a slowdown.
+    unchanged (a put's pins and spill flag are handed on), and ``metrics`` are the inner tier's.
+    Time spent on the link is recorded in the inner metrics under ``link_get``/``link_put``. The
+    link can be reconfigured at any time (``set_link``) to emulate a slowdown.
     """
 
     def __init__(
@@ -76,8 +75,8 @@ class ThrottledTier(Tier):
         name: str | None = None,
         throttle_puts: bool = True,
     ) -> None:
-        # Tier.__init__ is not called on purpose: it would give the wrapper its own counters and
-        # pin table, and the inner tier's are the ones that matter.
+        # Tier.__init__ is not called on purpose: it would give the wrapper its own counters, and
+        # the inner tier's are the ones that matter.
         self.inner = inner
         self.name = name or f"{inner.name}-link"
         self.link = LinkLimiter(bandwidth_Bps, latency_s)
@@ -86,22 +85,6 @@ class ThrottledTier(Tier):
     @property  # type: ignore[override]
     def metrics(self) -> TierMetrics:
         return self.inner.metrics
-
-    @property  # type: ignore[override]
-    def pins(self) -> PinTable:
-        return self.inner.pins
-
-    @pins.setter
-    def pins(self, table: PinTable) -> None:
-        self.inner.pins = table
-
-    @property  # type: ignore[override]
-    def spill_evicted(self) -> bool:
-        return self.inner.spill_evicted
-
-    @spill_evicted.setter
-    def spill_evicted(self, value: bool) -> None:
-        self.inner.spill_evicted = value
 
     @property
     def sealer(self) -> object | None:
@@ -123,10 +106,10 @@ class ThrottledTier(Tier):
         self.inner.metrics.observe("link_get", waited)
         return out
 
-    def put(self, blocks: Sequence[Block]) -> PutResult:
+    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
         if self.throttle_puts:
             self.inner.metrics.observe("link_put", self.link.transfer(sum(b.nbytes for b in blocks)))
-        return self.inner.put(blocks)
+        return self.inner.put(blocks, pins=pins, spill=spill)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         return self.inner.delete(keys)

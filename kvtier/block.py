@@ -40,8 +40,23 @@ class BlockMeta:
             raise LayoutMismatch(f"block shape {self.shape} != layout block shape {layout.block_shape}")
 
 
+class Described:
+    """``key`` and ``nbytes`` as a block's metadata states them (blocks and sealed records alike)."""
+
+    __slots__ = ()
+    meta: BlockMeta
+
+    @property
+    def key(self) -> BlockKey:
+        return self.meta.key
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+
 @dataclass(slots=True)
-class Block:
+class Block(Described):
     """A block's metadata and its payload tensor (contiguous, dtype/shape as the metadata says).
 
     Tiers copy payloads in and out: a caller never holds a view into a tier's own storage, so an
@@ -61,14 +76,6 @@ class Block:
             raise LayoutMismatch(f"payload shape {tuple(self.data.shape)} != declared {m.shape}")
         if not self.data.is_contiguous():
             raise LayoutMismatch("payload must be contiguous")
-
-    @property
-    def key(self) -> BlockKey:
-        return self.meta.key
-
-    @property
-    def nbytes(self) -> int:
-        return self.meta.nbytes
 
     @classmethod
     def build(

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.block import Block, BlockMeta
+from kvtier.block import Block, BlockMeta, Described
 from kvtier.errors import CorruptRecord, LayoutMismatch, UnsupportedFormat
 from kvtier.keys import DOMAIN_BYTES, KEY_BYTES, LAYOUT_TAG_BYTES, BlockKey, ScopeDomain
 from kvtier.layout import DTYPES, LayoutFingerprint
@@ -234,16 +234,10 @@ def decode(
     and LayoutMismatch when the record is well-formed but belongs to another layout.
     """
     mv = memoryview(buf)
-    hdr = parse_header(mv)
+    hdr = verify_record(mv, expect_key=expect_key)
     meta = hdr.meta
-    if expect_key is not None and meta.key != expect_key:
-        raise CorruptRecord("record key differs from the key it was stored under")
     if expect_layout is not None and meta.layout_fp != expect_layout:
         raise LayoutMismatch("record belongs to another KV layout")
-    flags = _PREFIX.unpack_from(mv, 0)[2]
-    end = _checked_end(flags, hdr.payload_offset, len(mv))
-    if xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES:end]) != _PREFIX.unpack_from(mv, 0)[4]:
-        raise CorruptRecord("record checksum mismatch")
     body = mv[hdr.payload_offset :]
     torch_dtype = DTYPES[meta.dtype][0]
     if out is None:
@@ -258,6 +252,44 @@ def decode(
     else:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(body, dtype=np.uint8))
     return Block(meta, out)
+
+
+def verify_record(buf: memoryview | bytes, *, expect_key: BlockKey | None = None) -> RecordHeader:
+    """Check a record's header, identity, length and checksum without opening its payload (no
+    decryption): what a tier needs before it hands a record on as it is. Raises CorruptRecord."""
+    mv = memoryview(buf)
+    hdr = parse_header(mv)
+    if expect_key is not None and hdr.meta.key != expect_key:
+        raise CorruptRecord("record key differs from the key it was stored under")
+    end = _checked_end(_PREFIX.unpack_from(mv, 0)[2], hdr.payload_offset, len(mv))
+    if xxhash.xxh3_64_intdigest(mv[PREFIX_BYTES:end]) != _PREFIX.unpack_from(mv, 0)[4]:
+        raise CorruptRecord("record checksum mismatch")
+    return hdr
+
+
+@dataclass(slots=True, frozen=True)
+class SealedRecord(Described):
+    """A block as its whole, checked record (header and payload, sealed by ``sealer`` or plain when
+    it is None), moved from one tier to another without being opened: tiers that keep the same
+    record format under the same key ring store these bytes as they are, so an evicted block is
+    not decrypted by one tier only to be encrypted again by the next. Others ``open`` it.
+    """
+
+    meta: BlockMeta
+    raw: bytes
+    sealer: Sealer | None
+
+    @classmethod
+    def checked(cls, raw: bytes, key: BlockKey, sealer: Sealer | None) -> SealedRecord:
+        return cls(verify_record(raw, expect_key=key).meta, raw, sealer)
+
+    def open(self) -> Block:
+        return decode(self.raw, expect_key=self.key, sealer=self.sealer)
+
+    def for_sealer(self, sealer: Sealer | None) -> bytes | bytearray:
+        """This record's bytes as a tier sealing with ``sealer`` stores them: the same bytes when
+        the key ring is the same, else opened and encoded again."""
+        return self.raw if sealer is self.sealer else encode(self.open(), sealer)
 
 
 def peek_meta(buf: memoryview | bytes) -> RecordHeader:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,8 @@ from kvtier.errors import ConfigError, LayoutMismatch, TierUnavailable, Transfer
 from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
 from kvtier.store.eviction import EntryInfo, make_policy
-from kvtier.store.tier import DomainIndex, IndexedTier, PutResult, batch_protected
+from kvtier.store.pin_table import PinTable
+from kvtier.store.tier import NO_PINS, DomainIndex, IndexedTier, PutResult, protected
 from kvtier.transfer.copiers import page_rows
 from kvtier.transfer.device import DONE, Completion, MiB, PageIds, TransferConfig, resolve_device
 from kvtier.transfer.engine import LayerwiseLoad, Transfer, TransferEngine
@@ -124,10 +125,10 @@ class GpuTier(IndexedTier):
             raise LayoutMismatch(f"{len(keys)} keys but {len(outs)} destination tensors")
         return self._read(keys, outs)
 
-    def put(self, blocks: Sequence[Block]) -> PutResult:
+    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
         t0 = time.perf_counter()
         res = PutResult()
-        batch = batch_protected(blocks)
+        keep = protected(blocks, pins)
         placed: list[tuple[Block, int]] = []
         with self._lock:
             self._check_open()
@@ -137,14 +138,14 @@ class GpuTier(IndexedTier):
                     self.policy.touch(b.key)
                     res.present.append(b.key)
                     continue
-                slot = self._claim_slot(b.nbytes, batch, victims)
+                slot = self._claim_slot(b.nbytes, keep, victims)
                 if slot is None:
                     res.rejected.append(b.key)
                     continue
                 self._insert(SlotEntry(b.meta, slot))
                 placed.append((b, slot))
             try:
-                if victims and self.spill_evicted:
+                if victims and spill:
                     # Read the victims out before anything is written over their slots.
                     res.evicted = self._spill(victims)
                 self._write(placed)
@@ -304,13 +305,13 @@ class GpuTier(IndexedTier):
                     out.append(Block(v.meta, data))
         return out
 
-    def _claim_slot(self, nbytes: int, batch: set[BlockKey], victims: list[SlotEntry]) -> int | None:
+    def _claim_slot(self, nbytes: int, keep: Callable[[BlockKey], bool], victims: list[SlotEntry]) -> int | None:
         """A slot for a new block, evicting by policy when none is free; None if none can be had."""
         if nbytes > self.slot_bytes or self.n_slots == 0:
             return None
         if self._free:
             return self._free.pop()
-        victim = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
+        victim = self.policy.pop_victim(keep)
         if victim is None:
             return None
         ent = self._drop(victim)

@@ -29,15 +29,13 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import (
-    AccessDenied,
-    AuthError,
     ConfigError,
-    CorruptRecord,
     DeadlineExceeded,
     InvalidRequest,
     KvtierError,
     LayoutMismatch,
     Overloaded,
+    RateLimited,
     ScopeError,
     TierUnavailable,
 )
@@ -45,34 +43,20 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.service_name import SERVICE_NAME
+from kvtier.rpc.status import error_from
 from kvtier.rpc.wire import BlockAssembler, ChunkFrame, ResponseSlots, decode_frame, encode_frame, pack_blocks
-from kvtier.server.service import SERVICE_NAME
-from kvtier.store.tier import PutResult, Tier, TierUsage
+from kvtier.store.pin_table import PinTable
+from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
 
-#: Status code -> the kvtier exception it stands for.
-ERROR_OF: dict[grpc.StatusCode, type[KvtierError]] = {
-    grpc.StatusCode.UNAUTHENTICATED: AuthError,
-    grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.UNAVAILABLE: TierUnavailable,
-    grpc.StatusCode.DATA_LOSS: CorruptRecord,
-    grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
-}
-#: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause.
+#: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause. A
+#: RateLimited read (the daemon's miss limit) is a refusal for now, like Overloaded, not a crash.
 DEGRADED: tuple[tuple[type[KvtierError], str], ...] = (
     (DeadlineExceeded, "timeout"),
     (TierUnavailable, "unavailable"),
     (Overloaded, "overloaded"),
+    (RateLimited, "rate_limited"),
 )
-
-
-def error_from(exc: grpc.RpcError) -> KvtierError:
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    cls = ERROR_OF.get(code, TierUnavailable)  # UNKNOWN/INTERNAL/CANCELLED: the daemon failed
-    return cls(f"daemon answered {code.name}: {details}")
 
 
 TokenSource = str | Callable[[], str]
@@ -300,7 +284,7 @@ class GrpcTier(Tier):
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
 
-    def put(self, blocks: Sequence[Block]) -> PutResult:
+    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
         res = PutResult()
         if not blocks:
             return res

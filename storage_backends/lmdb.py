@@ -13,12 +13,13 @@ import torch
 
 from kvtier import codec
 from kvtier.block import Block
-from kvtier.codec import Sealer
-from kvtier.errors import CorruptRecord, LayoutMismatch
+from kvtier.codec import SealedRecord, Sealer
+from kvtier.errors import CorruptRecord
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
 from kvtier.store.eviction import EntryInfo, make_policy
-from kvtier.store.tier import DomainIndex, IndexedTier, PutResult, batch_protected
+from kvtier.store.pin_table import PinTable
+from kvtier.store.tier import NO_PINS, DomainIndex, IndexedTier, PutResult, protected
 
 _MIN_MAP = 64 << 20
 _MAX_SCRATCH = 64  # scratch record buffers kept between batches
@@ -131,7 +132,7 @@ class LmdbTier(IndexedTier):
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
 
-    def put(self, blocks: Sequence[Block]) -> PutResult:
+    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
         t0 = time.perf_counter()
         res = PutResult()
         with self._lock:
@@ -152,7 +153,7 @@ class LmdbTier(IndexedTier):
             records = [
                 (b, buf, codec.encode_into(b, buf, self.sealer)) for b, buf in zip(todo, self._scratch, strict=False)
             ]
-            batch = batch_protected(todo)
+            keep = protected(todo, pins)
             added: list[tuple[Block, int]] = []
             victims: list[BlockKey] = []
             planned = self._index.used
@@ -161,7 +162,7 @@ class LmdbTier(IndexedTier):
                     res.present.append(b.key)
                     continue
                 while planned + size > self.capacity_bytes:
-                    v = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
+                    v = self.policy.pop_victim(keep)
                     if v is None:
                         break
                     victims.append(v)
@@ -171,7 +172,7 @@ class LmdbTier(IndexedTier):
                     continue
                 planned += size
                 added.append((b, size))
-            spilled = self._commit(records, {b.key for b, _ in added}, victims)
+            spilled = self._commit(records, {b.key for b, _ in added}, victims, spill)
             for v in victims:
                 self._index.drop(v)
             for b, size in added:
@@ -220,19 +221,24 @@ class LmdbTier(IndexedTier):
             self.env.close()
 
     # -- internals --------------------------------------------------------------------------------
-    def _commit(self, records: list, keep: set[BlockKey], victims: list[BlockKey]) -> list[Block]:
-        """One write transaction: evict victims, then write the kept records. Grows the map on demand."""
+    def _commit(
+        self, records: list, keep: set[BlockKey], victims: list[BlockKey], spill: bool
+    ) -> list[SealedRecord]:
+        """One write transaction: evict victims, then write the kept records. Grows the map on demand.
+
+        Spilled victims leave as their checked records, still sealed: the next tier down stores
+        the same bytes when it seals with the same key ring (no decrypt and re-encrypt)."""
         while True:
-            spilled: list[Block] = []
+            spilled: list[SealedRecord] = []
             try:
                 with self.env.begin(write=True) as txn:
                     for v in victims:
-                        if self.spill_evicted:
+                        if spill:
                             raw = txn.get(v, db=self._rec)
                             if raw is not None:
                                 try:
-                                    spilled.append(codec.decode(raw, expect_key=v, sealer=self.sealer))
-                                except (CorruptRecord, LayoutMismatch):
+                                    spilled.append(SealedRecord.checked(bytes(raw), v, self.sealer))
+                                except CorruptRecord:
                                     self.metrics.error("corrupt")
                         txn.delete(v, db=self._rec)
                     for b, buf, size in records:

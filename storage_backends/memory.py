@@ -23,7 +23,8 @@ from kvtier.hostmem import HostSlabPool
 from kvtier.keys import BlockKey
 from kvtier.layout import DTYPES
 from kvtier.store.eviction import EntryInfo, make_policy
-from kvtier.store.tier import DomainIndex, IndexedTier, PutResult, batch_protected
+from kvtier.store.pin_table import PinTable
+from kvtier.store.tier import NO_PINS, DomainIndex, IndexedTier, PutResult, protected
 
 T = TypeVar("T")
 
@@ -87,11 +88,11 @@ class InProcessTier(IndexedTier):
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
 
-    def put(self, blocks: Sequence[Block]) -> PutResult:
+    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
         t0 = time.perf_counter()
         res = PutResult()
         stored_bytes = 0
-        batch = batch_protected(blocks)
+        keep = protected(blocks, pins)
         with self._lock:
             for b in blocks:
                 if b.key in self._blocks:
@@ -99,7 +100,7 @@ class InProcessTier(IndexedTier):
                     res.present.append(b.key)
                     continue
                 n = b.nbytes
-                if not self._make_room(n, batch, res):
+                if not self._make_room(n, keep, spill, res):
                     res.rejected.append(b.key)
                     continue
                 self._blocks[b.key] = (b.meta, self._keep(b))
@@ -156,16 +157,16 @@ class InProcessTier(IndexedTier):
         self._index.drop(key)
         return meta, held
 
-    def _make_room(self, n: int, batch: set[BlockKey], res: PutResult) -> bool:
+    def _make_room(self, n: int, keep: Callable[[BlockKey], bool], spill: bool, res: PutResult) -> bool:
         if not self._fits(n):
             return False
         while self._full(n):
-            victim = self.policy.pop_victim(lambda k: k in batch or self.pins.is_pinned(k))
+            victim = self.policy.pop_victim(keep)
             if victim is None:
                 return False
             meta, held = self._drop(victim)
             self.metrics.evicted()
-            if self.spill_evicted:
+            if spill:
                 res.evicted.append(self._evicted_block(meta, held))
             else:
                 self._discard(held)

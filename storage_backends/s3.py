@@ -32,10 +32,11 @@ import torch
 
 from kvtier import codec
 from kvtier.block import Block
-from kvtier.codec import Sealer
+from kvtier.codec import SealedRecord, Sealer
 from kvtier.errors import ConfigError, CorruptRecord, KeyUnavailable, LayoutMismatch, TierUnavailable, UnsupportedFormat
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
-from kvtier.store.tier import PutResult, Tier, TierUsage
+from kvtier.store.pin_table import PinTable
+from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
 from storage_backends.s3_breaker import CircuitBreaker
 from storage_backends.s3_config import MAX_OBJECT_BYTES, ObjectNamer, S3Config
 from storage_backends.s3_probes import PROBES
@@ -316,7 +317,7 @@ class S3Tier(Tier):
             self.metrics.error("quarantine_failed")
 
     # -- put --------------------------------------------------------------------------------------
-    def _put_one(self, block: Block) -> str:
+    def _put_one(self, block: Block | SealedRecord) -> str:
         if not self.config.conditional_put:
             present, cause = self._head(block.key)
             if present:
@@ -326,14 +327,22 @@ class S3Tier(Tier):
         # Each worker thread encodes into its own reused buffer: faulting in fresh pages for every
         # multi-MiB record costs more than the copy itself. It is trimmed to the record because
         # boto3 takes a whole bytearray, not a view.
-        body: bytearray | None = getattr(self._local, "put_buffer", None)
-        if body is None:
+        body: bytes | bytearray | None = getattr(self._local, "put_buffer", None)
+        if isinstance(block, SealedRecord):
+            # A record spilled from a tier sealing with the same key ring goes up as it is.
+            try:
+                body = block.for_sealer(self.sealer)
+            except (CorruptRecord, LayoutMismatch):
+                return _Verdict.CORRUPT.value
+        elif body is None:
             body = self._local.put_buffer = bytearray()
-        try:
-            del body[codec.encode_into(block, body, self.sealer) :]
-        except BufferError:  # a view of the buffer is still alive somewhere, so it cannot resize
-            body = codec.encode(block, self.sealer)
-            self._local.put_buffer = bytearray()
+        if isinstance(block, Block):
+            assert isinstance(body, bytearray)
+            try:
+                del body[codec.encode_into(block, body, self.sealer) :]
+            except BufferError:  # a view of the buffer is still alive somewhere, so it cannot resize
+                body = codec.encode(block, self.sealer)
+                self._local.put_buffer = bytearray()
         kw: dict[str, Any] = {"Bucket": self.config.bucket, "Key": self.namer.name(block.key), "Body": body,
                               "ContentType": "application/octet-stream"}
         if self.config.conditional_put:
@@ -348,10 +357,12 @@ class S3Tier(Tier):
             return "present" if status == 412 or code == "PreconditionFailed" else _Verdict.S3_ERROR.value
         return "stored"
 
-    def put(self, blocks: Sequence[Block]) -> PutResult:
+    def put(
+        self, blocks: Sequence[Block | SealedRecord], *, pins: PinTable = NO_PINS, spill: bool = False
+    ) -> PutResult:
         t0 = time.perf_counter()
         res = PutResult()
-        unique: dict[BlockKey, Block] = {}
+        unique: dict[BlockKey, Block | SealedRecord] = {}
         for b in blocks:
             if b.key in unique:
                 res.present.append(b.key)

@@ -19,11 +19,15 @@ from abc import ABC
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.block import Block
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import BlockKey, ScopeDomain, key_domain
 from kvtier.store.tier import Tier
+
+if TYPE_CHECKING:
+    from kvtier.codec import SealedRecord
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +78,7 @@ class RemoteWriter:
         self.options.validate()
         self.remote = remote
         self._cond = threading.Condition()
-        self._queue: deque[Block] = deque()
+        self._queue: deque[Block | SealedRecord] = deque()
         self._keys: set[BlockKey] = set()
         self._known: OrderedDict[BlockKey, None] = OrderedDict()
         self._pending_bytes = 0
@@ -90,9 +94,9 @@ class RemoteWriter:
         for t in self._threads:
             t.start()
 
-    def submit(self, blocks: Sequence[Block]) -> int:
+    def submit(self, blocks: Sequence[Block | SealedRecord]) -> int:
         """Queue blocks for upload; returns how many were accepted. Never blocks on the network."""
-        accepted: list[Block] = []
+        accepted: list[Block | SealedRecord] = []
         dropped = 0
         with self._cond:
             if self._closing:
@@ -109,8 +113,10 @@ class RemoteWriter:
             self._staging += len(accepted)
             self._submitted += len(accepted)
             self._dropped += dropped
-        # Clone outside the lock (a copy per block); the bytes are reserved already.
-        copies = [Block(b.meta, b.data.detach().to("cpu", copy=True).contiguous()) for b in accepted]
+        # Clone outside the lock (a copy per block; a sealed record's bytes are immutable already);
+        # the bytes are reserved already.
+        copies = [b if not isinstance(b, Block) else Block(b.meta, b.data.detach().to("cpu", copy=True).contiguous())
+                  for b in accepted]
         with self._cond:
             self._queue.extend(copies)
             self._staging -= len(copies)
@@ -176,7 +182,7 @@ class RemoteWriter:
             for k in [k for k in self._known if match(k)]:
                 del self._known[k]
             while True:
-                keep: deque[Block] = deque()
+                keep: deque[Block | SealedRecord] = deque()
                 for b in self._queue:
                     if match(b.key):
                         self._pending_bytes -= b.nbytes
@@ -240,7 +246,7 @@ class WritePolicy(ABC):
     def on_put(self, blocks: Sequence[Block]) -> None:  # noqa: B027 - default: nothing to do
         """Called after a put into the local tiers."""
 
-    def on_spill(self, blocks: Sequence[Block]) -> None:  # noqa: B027 - default: drop
+    def on_spill(self, blocks: Sequence[Block | SealedRecord]) -> None:  # noqa: B027 - default: drop
         """Called with blocks leaving the bottom local tier (they are gone from this node)."""
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -272,7 +278,7 @@ class WriteBack(WritePolicy):
     name = "write-back"
     wants_spill = True
 
-    def on_spill(self, blocks: Sequence[Block]) -> None:
+    def on_spill(self, blocks: Sequence[Block | SealedRecord]) -> None:
         assert self.writer is not None
         self.writer.submit(blocks)
 

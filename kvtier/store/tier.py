@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,15 +16,19 @@ from kvtier.keys import BlockKey, ScopeDomain
 from kvtier.store.metrics import TierMetrics
 from kvtier.store.pin_table import PinTable
 
+if TYPE_CHECKING:
+    from kvtier.codec import SealedRecord
+
 
 @dataclass(slots=True)
 class PutResult:
-    """What a put did. ``evicted`` carries the blocks pushed out to make room (for spilling down)."""
+    """What a put did. ``evicted`` carries the blocks pushed out to make room (for spilling down):
+    a tier that keeps whole records hands them on still sealed (``SealedRecord``)."""
 
     stored: list[BlockKey] = field(default_factory=list)
     present: list[BlockKey] = field(default_factory=list)
     rejected: list[BlockKey] = field(default_factory=list)
-    evicted: list[Block] = field(default_factory=list)
+    evicted: list[Block | SealedRecord] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,10 +39,16 @@ class TierUsage:
     by_domain: dict[ScopeDomain, int]
 
 
-def batch_protected(blocks: Sequence[Block]) -> set[BlockKey]:
-    """Keys a put may not evict to make room for ``blocks``: the batch's own members, and the
-    parents they are about to hang from (evicting one would strand its new child)."""
-    return {b.key for b in blocks} | {b.meta.parent for b in blocks if b.meta.parent is not None}
+#: A pin table nobody holds: a put outside a store protects only its own batch.
+NO_PINS = PinTable()
+
+
+def protected(blocks: Sequence[Block], pins: PinTable) -> Callable[[BlockKey], bool]:
+    """Which keys a put may not evict to make room for ``blocks``: the batch's own members, the
+    parents they are about to hang from (evicting one would strand its new child), and every key
+    pinned by an in-flight load or store."""
+    batch = {b.key for b in blocks} | {b.meta.parent for b in blocks if b.meta.parent is not None}
+    return lambda k: k in batch or pins.is_pinned(k)
 
 
 class DomainIndex:
@@ -103,8 +114,11 @@ class Tier(ABC):
     - ``contains(keys)`` returns the length of the longest prefix of ``keys`` that is present.
     - ``get(keys)`` returns a list aligned with ``keys``: the verified block, or None for a miss.
       A record that fails verification is a miss, is removed, and is counted as an error.
-    - ``put(blocks)`` stores what fits, evicting unpinned entries by the tier's policy; a key
-      already present is left as it is (keys are content hashes). It never raises for lack of room.
+    - ``put(blocks, pins=, spill=)`` stores what fits, evicting by the tier's policy entries that
+      are neither in the batch nor pinned in ``pins`` (the owning store's PinTable); a key already
+      present is left as it is (keys are content hashes). It never raises for lack of room. With
+      ``spill`` the evicted blocks come back in ``PutResult.evicted`` for the next tier down.
+      The store passes both on every call; a tier keeps no reference to its store.
     - ``delete(keys)`` / ``delete_scope(domain)`` return how many entries were removed.
     - Payloads are copied in and out: callers never alias a tier's storage.
     """
@@ -113,9 +127,6 @@ class Tier(ABC):
 
     def __init__(self) -> None:
         self.metrics = TierMetrics(self.name)
-        self.pins = PinTable()
-        #: Whether put() should return evicted blocks with their data (set by a store that spills).
-        self.spill_evicted = False
 
     @abstractmethod
     def contains(self, keys: Sequence[BlockKey]) -> int: ...
@@ -140,7 +151,7 @@ class Tier(ABC):
         return res
 
     @abstractmethod
-    def put(self, blocks: Sequence[Block]) -> PutResult: ...
+    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult: ...
 
     @abstractmethod
     def delete(self, keys: Sequence[BlockKey]) -> int: ...

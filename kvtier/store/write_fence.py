@@ -5,13 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from kvtier.block import Block
 from kvtier.keys import ScopeDomain
-
-if TYPE_CHECKING:
-    pass
 
 
 class WriteFence:

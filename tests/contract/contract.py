@@ -10,6 +10,7 @@ import torch
 
 from kvtier.errors import LayoutMismatch
 from kvtier.keys import Scope
+from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import Tier
 from tests.helpers import SMALL, chain_blocks, same_bytes
 
@@ -134,8 +135,9 @@ class TierContract:
         tier = make_tier(2 * (BPB + self.overhead))
         a, b, c = (chain_blocks(1, token_base=100 * i)[0] for i in range(3))
         tier.put([a, b])
-        with tier.pins.hold([a.key, b.key]):
-            res = tier.put([c])
+        pins = PinTable()
+        with pins.hold([a.key, b.key]):
+            res = tier.put([c], pins=pins)
         assert res.rejected == [c.key]
         assert tier.contains([a.key]) == 1 and tier.contains([b.key]) == 1
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.localdeploy import LocalDeployment
 from kvtier.keys import Scope
 from kvtier.server.daemon import Daemon
-from kvtier.server.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.contract.contract import BPB, TierContract
 from tests.helpers import SECRET, chain_blocks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.store.pin_table import PinTable
 from storage_backends.meta import MetaTier
 from tests.contract.contract import BPB, TierContract
 from tests.helpers import chain_blocks, same_bytes
@@ -44,8 +45,9 @@ class TestMetaTierBlockBudget(TierContract):
         tier = make_tier(BPB)
         a, b = (chain_blocks(1, token_base=100 * i)[0] for i in range(2))
         tier.put([a])
-        with tier.pins.hold([a.key]):
-            assert tier.put([b]).rejected == [b.key]
+        pins = PinTable()
+        with pins.hold([a.key]):
+            assert tier.put([b], pins=pins).rejected == [b.key]
         assert tier.contains([a.key]) == 1
 
 
@@ -70,11 +72,10 @@ def test_unbounded_when_no_budget(tiers):
 
 def test_spilled_blocks_carry_exact_bytes(tiers):
     tier = MetaTier(capacity_blocks=2)
-    tier.spill_evicted = True
     tiers.append(tier)
     a, b, c = chain_blocks(3)
     tier.put([a, b])
-    res = tier.put([c])
+    res = tier.put([c], spill=True)
     assert [e.key for e in res.evicted] == [a.key]
     assert same_bytes(res.evicted[0], a)
 

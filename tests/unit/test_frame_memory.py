@@ -47,10 +47,9 @@ def test_a_frame_handed_out_survives_delete_and_reuse_of_the_budget() -> None:
 
 def test_evicted_frames_spill_as_blocks_and_reads_copy_out() -> None:
     tier = FrameMemoryTier(2 * BPB)
-    tier.spill_evicted = True
     blocks = chain_blocks(3)
     tier.put(blocks[:2])
-    res = tier.put(blocks[2:])
+    res = tier.put(blocks[2:], spill=True)
     assert [e.key for e in res.evicted] == [blocks[0].key]  # LRU
     assert same_bytes(res.evicted[0], blocks[0])
     out = torch.zeros(SMALL.block_shape, dtype=SMALL.torch_dtype)

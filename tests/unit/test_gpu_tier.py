@@ -69,12 +69,11 @@ def test_batches_larger_than_one_staging_buffer(device: str) -> None:
     engine = TransferEngine(device, TransferConfig(buffer_bytes=3 * BPB, n_buffers=2, max_pages=8))
     gpu = GpuTier(n_slots=10, slot_bytes=BPB, engine=engine)
     assert gpu.batch_blocks == 3
-    gpu.spill_evicted = True
     # Two chains: the second (10 blocks, 4 chunks of 3) evicts the first. (A chain's own tail
-    # never evicts the parent it hangs from: kvtier.tier.batch_protected.)
+    # never evicts the parent it hangs from: kvtier.store.tier.protected.)
     blocks = chain_blocks(4) + chain_blocks(10, token_base=50_000, seed=1)
     gpu.put(blocks[:4])
-    res = gpu.put(blocks[4:])
+    res = gpu.put(blocks[4:], spill=True)
     assert len(res.stored) == 10 and len(res.evicted) == 4
     assert all(same_bytes(e, b) for e, b in zip(res.evicted, blocks[:4], strict=True))
     got = gpu.get(keys(blocks))

@@ -7,7 +7,7 @@ import pytest
 from kvtier import codec
 from kvtier.keys import Scope
 from kvtier.store.lookup import TierRun
-from kvtier.store.tiered_store import TieredStore
+from kvtier.store.tiered_store import KeyPut, PutOutcome, TieredStore
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from tests.helpers import SMALL, chain_blocks, same_bytes
@@ -73,12 +73,53 @@ def test_get_returns_only_the_prefix(store):
     assert [g.key for g in got] == [b.key for b in blocks[:3]]
 
 
-def test_domain_check_rejects_foreign_block(store):
-    blocks = chain_blocks(2, scope=Scope.user("alice"))
-    store.put(blocks)
-    wrong = [chain_blocks(1, scope=Scope.user("bob"))[0].meta.domain] * 2
-    assert store.get([b.key for b in blocks], domains=wrong) == []
-    assert store.tiers[0].metrics.snapshot()["errors"] == {"wrong_block": 1}
+class SwappingTier(MemoryTier):
+    """A tier that answers a get for one key with the block of another (a bug the store must catch)."""
+
+    def __init__(self, capacity: int, swap: dict) -> None:
+        super().__init__(capacity)
+        self.swap = swap
+
+    def get(self, keys):
+        return super().get([self.swap.get(k, k) for k in keys])
+
+
+def test_identity_check_rejects_a_foreign_block_on_every_read_path():
+    alice = chain_blocks(2, scope=Scope.user("alice"))
+    bob = chain_blocks(2, scope=Scope.user("bob"))
+    tier = SwappingTier(1 << 20, {alice[0].key: bob[0].key})
+    store = TieredStore([tier])
+    store.put(alice + bob)
+    assert store.get([b.key for b in alice]) == []
+    assert store.get_each([b.key for b in alice])[0] is None
+    assert same_bytes(store.get_each([b.key for b in alice])[1], alice[1])
+    assert tier.metrics.snapshot()["errors"] == {"wrong_block": 3}
+
+
+def test_get_each_reads_each_key_from_the_fastest_tier_and_promotes(tmp_path):
+    mem, disk = MemoryTier(1 << 20), LmdbTier(tmp_path / "db", 64 * REC)
+    store = TieredStore([mem, disk])
+    blocks = chain_blocks(4)
+    disk.put(blocks[1:3])
+    mem.put(blocks[3:])
+    got = store.get_each([b.key for b in blocks])
+    assert got[0] is None and all(same_bytes(g, b) for g, b in zip(got[1:], blocks[1:], strict=True))
+    assert [mem.contains([b.key]) for b in blocks] == [0, 1, 1, 1]  # the disk hits were promoted
+
+
+def test_put_reports_each_key(tmp_path):
+    mem = MemoryTier(2 * chain_blocks(1)[0].nbytes)
+    disk = LmdbTier(tmp_path / "db", 64 * REC)
+    store = TieredStore([mem, disk])
+    blocks = chain_blocks(3)
+    first = store.put(blocks[:1])
+    assert first.outcomes[blocks[0].key] == KeyPut(PutOutcome.STORED, "memory")
+    rep = store.put(blocks)
+    assert rep.outcomes[blocks[0].key] == KeyPut(PutOutcome.PRESENT, "memory")
+    assert rep.outcomes[blocks[1].key] == KeyPut(PutOutcome.STORED, "memory")
+    # memory is full of the batch's own blocks (never evicted for it): the third falls to disk
+    assert rep.outcomes[blocks[2].key] == KeyPut(PutOutcome.STORED, disk.name)
+    assert rep.stored == {"memory": 1, disk.name: 1}
 
 
 def test_corrupt_record_shortens_prefix_and_is_quarantined(tmp_path):
@@ -102,7 +143,6 @@ def test_pinned_block_survives_pressure(store):
     mem = store.tiers[0]
     a = chain_blocks(2, token_base=0)
     store.put(a)
-    assert mem.pins is store.pins
     with store.pins.hold([a[0].key, a[1].key]):
         store.put(chain_blocks(2, token_base=5000))
         assert mem.contains([x.key for x in a]) == 2
