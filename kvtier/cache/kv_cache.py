@@ -33,7 +33,7 @@ import torch
 
 from kvtier.block import Block
 from kvtier.cache.purge import PurgeJournal, PurgeReport, ScopePurger
-from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, ScopeError
+from kvtier.errors import ConfigError, LayoutMismatch, ScopeError
 from kvtier.keys import (
     LAYOUT_TAG_BYTES,
     BlockKey,
@@ -47,9 +47,10 @@ from kvtier.keys import (
     key_layout_tag,
 )
 from kvtier.layout import KVLayout
+from kvtier.security.gate import AccessGate
 from kvtier.security.keyring import KeyRing
-from kvtier.security.policy import Op, Policy, Principal
-from kvtier.security.timing import TimingGuard, TimingMitigations
+from kvtier.security.policy import Policy, Principal
+from kvtier.security.timing import TimingMitigations
 from kvtier.store.lookup import Lookup
 from kvtier.store.tiered_store import TieredStore
 
@@ -79,6 +80,8 @@ class CacheOptions:
     #: Holders of scope data outside the store's tiers (a location directory), purged too.
     extra_purgers: tuple[ScopePurger, ...] = ()
     clock: Callable[[], float] = time.monotonic
+    #: Also told of every refusal and mitigation the gate counts (a daemon's metrics).
+    on_count: Callable[[str, int], None] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,11 +97,16 @@ class SaveReport:
 class KVCache:
     """The policy-checked front of a TieredStore, for one or more KV layouts.
 
-    Invariants: no tier is touched for a principal that is revoked, or for a block whose key
-    domain the principal may not use for that operation; blocks of a domain under purge are
-    neither served nor written (the store's write fence) until the purge finishes. The cache
-    itself holds no block data; ``counters`` (guarded by ``_lock``) count refusals and
-    mitigations. Unfinished purges found in the journal are resumed by the constructor.
+    Every access decision is the ``AccessGate``'s (kvtier/security/gate.py), the same gate the
+    daemon's service calls. Invariants: no tier is touched for a principal that is revoked, or
+    for a block whose key domain the principal may not use for that operation; blocks of a
+    domain under purge are neither served nor written (the store's write fence) until the purge
+    finishes. The cache itself holds no block data; ``counters`` (guarded by ``_lock``) count
+    refusals and mitigations. Unfinished purges found in the journal are resumed by the
+    constructor.
+
+    Protocol, per request: ``chain`` -> ``lookup`` -> ``load(..., lookup=)`` (reads what the
+    lookup found, no second lookup) -> compute the rest -> ``save``.
     """
 
     def __init__(
@@ -123,8 +131,8 @@ class KVCache:
         self.journal = PurgeJournal(self.options.journal_dir)
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
-        #: The timing mitigations; the daemon's service applies the same guard to its reads.
-        self.guard = TimingGuard(store, self.options.mitigations, self._count, self.options.clock)
+        #: The one access gate; a daemon's service is handed this same object.
+        self.gate = AccessGate(policy, store, self.options.mitigations, self._count, self.options.clock)
         self.resumed: list[PurgeReport] = self.resume_purges()
 
     # -- keys -------------------------------------------------------------------------------------
@@ -160,73 +168,48 @@ class KVCache:
         resolved = []
         for seg in segments:
             scope = principal.own_scope(seg.scope) if isinstance(seg, RequestSegment) else seg.scope
-            if not self.policy.may_read(principal, scope):
-                raise AccessDenied(f"principal {principal.id} cannot use scope kind {scope.kind.name.lower()}")
+            self.gate.require_scope(principal, scope)
             resolved.append(Segment(seg.tokens, scope))
         return block_chain(lay, resolved, self.policy.deriver)
 
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, principal: Principal, chain: Sequence[ChainBlock]) -> Lookup:
-        """Longest cached prefix of ``chain`` that ``principal`` may read.
+        """Longest cached prefix of ``chain`` that ``principal`` may read (``AccessGate.lookup``).
 
-        Stops at the first block the principal may not read (counted as ``denied``) or whose
-        scope is being purged. A lookup that ends short of the chain counts as a miss for the
-        rate limit.
+        Hand the result back to ``load`` to read it without a second lookup.
         """
-        keys, readable = self._readable_prefix(principal, chain)
-        lk = self.guard.lookup(keys, readable)
-        self.guard.served(principal, lk.length, len(chain))
-        return Lookup(lk.runs, len(chain))
+        return self.gate.lookup(principal, [cb.key for cb in chain]).lookup
 
     def load(
         self,
         principal: Principal,
         chain: Sequence[ChainBlock],
         n: int | None = None,
+        *,
+        lookup: Lookup | None = None,
     ) -> list[Block]:
         """The verified blocks of the longest cached prefix of ``chain[:n]``.
 
-        Asking for a block the principal may not read is refused (AccessDenied) before any tier
-        is touched; a block that vanished or failed verification shortens the result.
+        With ``lookup`` (what ``lookup(principal, chain...)`` returned) the blocks it found are
+        read without probing the tiers again; it must describe a prefix of ``chain``. Asking for
+        a block the principal may not read is refused (AccessDenied) before any tier is touched;
+        a block that vanished or failed verification shortens the result.
         """
         n = len(chain) if n is None else n
         if not 0 <= n <= len(chain):
             raise ValueError(f"load: n={n} outside [0, {len(chain)}]")
-        self.policy.require_active(principal)
-        readable = self.policy.readable_domains(principal)
-        for i, cb in enumerate(chain[:n]):
-            if key_domain(cb.key) not in readable:
-                self._count("denied")
-                raise AccessDenied(f"block {i} of the chain is in a scope principal {principal.id} cannot read")
-        keys, _ = self._readable_prefix(principal, chain[:n], readable=readable)
-        lk = self.guard.lookup(keys, readable)
-        blocks = self.store.get(keys[: lk.length], domains=[key_domain(k) for k in keys[: lk.length]], lookup=lk)
-        self.guard.served(principal, len(blocks), n)
-        return blocks
-
-    def _readable_prefix(
-        self,
-        principal: Principal,
-        chain: Sequence[ChainBlock],
-        *,
-        readable: dict[ScopeDomain, Scope] | None = None,
-    ) -> tuple[list[BlockKey], dict[ScopeDomain, Scope]]:
-        self.policy.require_active(principal)
-        self.guard.admit(principal)
-        if readable is None:
-            readable = self.policy.readable_domains(principal)
-        keys: list[BlockKey] = []
-        fence = self.store.fence
-        for cb in chain:
-            dom = key_domain(cb.key)
-            if dom not in readable:
-                self._count("denied")
-                break
-            if fence.is_closed(dom):
-                self._count("purging_miss")
-                break
-            keys.append(cb.key)
-        return keys, readable
+        keys = [cb.key for cb in chain[:n]]
+        gate = self.gate
+        if lookup is None:
+            gate.require_readable(principal, keys)
+            lk = gate.lookup(principal, keys, then_read=True).lookup
+        else:
+            if tuple(keys[: len(lookup.keys)]) != lookup.keys[:n] or not lookup.loadable:
+                raise ScopeError("load: the lookup handed back is not one of this chain")
+            lk = gate.recheck(principal, lookup.slice(0, n) if lookup.length > n else lookup)
+        blocks = self.store.load(lk)
+        gate.served(principal, len(blocks), n if lookup is None else lk.length)
+        return blocks  # type: ignore[return-value]
 
     # -- writes -----------------------------------------------------------------------------------
     def save(
@@ -248,38 +231,24 @@ class KVCache:
         if start < 0 or start + len(tensors) > len(chain):
             raise LayoutMismatch(f"save: {len(tensors)} tensors from block {start} overrun a {len(chain)}-block chain")
         _check_links(chain)
-        readable = self.policy.readable_domains(principal)
+        part = chain[start : start + len(tensors)]
+        writable = self.gate.writable(principal, [key_domain(cb.key) for cb in part])
         blocks: list[Block] = []
         skipped: list[int] = []
-        for i, data in enumerate(tensors):
-            cb = chain[start + i]
+        for i, (cb, data) in enumerate(zip(part, tensors, strict=True)):
             dom = key_domain(cb.key)
-            scope = readable.get(dom)
-            if scope is None:
-                self._count("denied")
-                raise AccessDenied(f"block {start + i} of the chain is in a scope principal {principal.id} cannot use")
-            if self.store.fence.is_closed(dom):
-                raise AccessDenied(f"scope {scope} is being purged; writes are refused until the purge finishes")
-            if not self.policy.may_write(principal, scope):
-                if scope.kind >= ScopeKind.USER:
-                    raise AccessDenied(f"write to {scope} refused for principal {principal.id}")
+            if not writable[dom]:
                 skipped.append(start + i)
                 continue
             blocks.append(Block.build(self._layout_of(cb.key), cb.key, dom, data, parent=cb.parent, index=cb.index))
         if skipped:
             self._count("not_published", len(skipped))
         report = self.store.put(blocks) if blocks else None
-        return SaveReport(dict(report.stored) if report else {}, len(blocks), tuple(skipped))
+        return SaveReport(report.stored if report else {}, len(blocks), tuple(skipped))
 
     def delete(self, principal: Principal, chain: Sequence[ChainBlock]) -> dict[str, int]:
         """Delete these blocks from every tier; every block must be deletable by the principal."""
-        self.policy.require_active(principal)
-        readable = self.policy.readable_domains(principal)
-        for i, cb in enumerate(chain):
-            scope = readable.get(key_domain(cb.key))
-            if scope is None or not self.policy.may_delete(principal, scope):
-                self._count("denied")
-                raise AccessDenied(f"delete of block {i} of the chain refused for principal {principal.id}")
+        self.gate.require_delete(principal, {key_domain(cb.key) for cb in chain})
         return self.store.delete([cb.key for cb in chain])
 
     # -- purge ------------------------------------------------------------------------------------
@@ -307,12 +276,7 @@ class KVCache:
         KVCache resumes it.
         """
         target = self.resolve_scope(actor, scope)
-        try:
-            self.policy.authorize(Op.DELETE, actor, target)
-        except AccessDenied:
-            self._count("denied")
-            raise
-        domain = self.policy.domain(target)
+        domain = self.gate.require_purge(actor, target)
         audit = self.policy.audit
         if audit is not None:
             audit.append(actor.id, "purge.start", str(target), domain=domain.hex(), reason=reason)
@@ -357,9 +321,7 @@ class KVCache:
     def remaining(self, actor: Principal, scope: Scope | ScopeKind | str) -> dict[str, int]:
         """What is left of a scope in every holder (keys listed from the tiers' own storage) and
         in the key ring: all zeros after a purge. Needs delete rights on the scope."""
-        target = self.resolve_scope(actor, scope)
-        self.policy.authorize(Op.DELETE, actor, target)
-        domain = self.policy.domain(target)
+        domain = self.gate.require_purge(actor, self.resolve_scope(actor, scope))
         holders: list[Any] = [*self.store.tiers, *self.options.extra_purgers]
         left = {h.name: len(h.keys_in_scope(domain)) for h in holders}
         keyring = self.options.keyring
@@ -372,12 +334,10 @@ class KVCache:
         """Stored bytes per tier for each scope the principal may read (or only ``scope``), named
         relative to the principal (``public``, ``org``, ``user``, ``session``)."""
         self.policy.require_active(principal)
-        readable = self.policy.readable_domains(principal)
+        readable = self.gate.readable(principal)
         if scope is not None:
             target = principal.own_scope(scope)
-            if not self.policy.may_read(principal, target):
-                self._count("denied")
-                raise AccessDenied(f"stats on {target} refused for principal {principal.id}")
+            self.gate.require_scope(principal, target)
             readable = {d: s for d, s in readable.items() if s == target}
         usage = [(t.name, t.usage().by_domain) for t in self.store.tiers]
         scopes = {
@@ -385,6 +345,10 @@ class KVCache:
             for d, s in readable.items()
         }
         return {"principal": principal.id, "scopes": scopes}
+
+    def record_request(self, input_tokens: int, hit_tokens: int) -> None:
+        """Count a request's input tokens and those whose KV came from the cache (token hit rate)."""
+        self.store.record_request(input_tokens, hit_tokens)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -394,6 +358,8 @@ class KVCache:
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self.counters[what] += n
+        if self.options.on_count is not None:
+            self.options.on_count(what, n)
 
     def _layout_of(self, key: BlockKey) -> KVLayout:
         lay = self._layouts.get(key_layout_tag(key))

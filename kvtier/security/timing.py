@@ -20,10 +20,13 @@ from kvtier.security.policy import Principal
 from kvtier.store.lookup import Lookup
 from kvtier.store.tiered_store import TieredStore
 
-
 # =================================================================================================
 # Timing mitigations
 # =================================================================================================
+#: What the timing mitigations count (through the gate's counter), as opposed to access refusals.
+TIMING_COUNTS = frozenset({"rate_limited", "public_probe_hidden", "public_hit_suppressed", "public_key_get_hidden"})
+
+
 @dataclass(slots=True, frozen=True)
 class TimingMitigations:
     """Options against the residual public-content timing channel (both off by default).

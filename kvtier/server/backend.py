@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.errors import ConfigError
@@ -24,6 +22,8 @@ from kvtier.security.keyring import KeyRing
 from kvtier.security.master_keys import FileKeyProvider, key_provider
 from kvtier.security.policy import Policy, Principal
 from kvtier.security.revocations import RevocationSync
+from kvtier.security.secrets import read_secret_file
+from kvtier.security.timing import TimingMitigations
 from kvtier.security.wrapped_keys import LmdbWrappedKeyStore, MirroredKeyStore, WrappedKeyStore
 from kvtier.server.config import DaemonConfig
 from kvtier.server.service import PurgeOutcome
@@ -41,15 +41,7 @@ MIN_SERVER_SECRET = 16
 
 def read_server_secret(path: str) -> bytes:
     """The scope-domain secret: surrounding whitespace ignored (files written by ``echo`` end in a newline)."""
-    p = Path(path)
-    try:
-        st = os.stat(p)
-        raw = p.read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"security.server_secret_file: cannot read {p} ({exc.strerror})") from None
-    # Group read is allowed for Kubernetes' fsGroup secret mounts; world read is not.
-    if stat.S_IMODE(st.st_mode) & 0o007:
-        raise ConfigError(f"security.server_secret_file: {p} is readable by others; chmod o-rwx")
+    raw = read_secret_file(path, "security.server_secret_file").strip()
     if len(raw) < MIN_SERVER_SECRET:
         raise ConfigError(f"security.server_secret_file: the secret must be at least {MIN_SERVER_SECRET} bytes")
     return raw
@@ -87,17 +79,20 @@ class Backend:
     _closers: list[Callable[[], object]] = field(default_factory=list)
 
     @classmethod
-    def open(cls, config: DaemonConfig) -> Backend:
+    def open(cls, config: DaemonConfig, *, on_count: Callable[[str, int], None] | None = None) -> Backend:
+        """Open everything; ``on_count`` is told of every refusal and mitigation the access gate counts."""
         closers: list[Callable[[], object]] = []
         try:
-            return cls._open(config, closers)
+            return cls._open(config, closers, on_count)
         except BaseException:
             for close in reversed(closers):
                 close()
             raise
 
     @classmethod
-    def _open(cls, config: DaemonConfig, closers: list[Callable[[], object]]) -> Backend:
+    def _open(
+        cls, config: DaemonConfig, closers: list[Callable[[], object]], on_count: Callable[[str, int], None] | None
+    ) -> Backend:
         sec, tiers = config.security, config.tiers
         deriver = DomainDeriver(read_server_secret(sec.server_secret_file))
         audit = None
@@ -134,7 +129,11 @@ class Backend:
                 t.close()
             raise
         closers.append(store.close)  # drains remote uploads, then closes every tier
-        cache = KVCache(store, (), policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path))
+        mitigations = TimingMitigations(min_public_prefix_blocks=sec.min_public_prefix_blocks,
+                                        miss_limit=sec.miss_limit or None, miss_window_s=sec.miss_window_s)
+        # The daemon's one access gate lives in this KVCache; the service is handed ``cache.gate``.
+        cache = KVCache(store, (), policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path,
+                                                         mitigations=mitigations, on_count=on_count))
         sync = None
         if s3cfg is not None and sec.revocation_sync_s > 0:
             feed = S3RevocationFeed(s3cfg, deriver.subkey("revocation-feed"))

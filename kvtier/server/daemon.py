@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier.errors import ConfigError
 from kvtier.hostmem import tune_malloc_for_large_blocks
-from kvtier.security.timing import TimingMitigations
+from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.security.tokens import TokenVerifier
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
@@ -63,13 +63,6 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def _read(path: str, field_name: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{field_name}: cannot read {path} ({exc.strerror})") from None
-
-
 class Daemon:
     """One cache daemon. See the module docstring for its lifecycle.
 
@@ -81,8 +74,10 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        s, sec = config.server, config.security
-        self.backend = Backend.open(config)
+        s = config.server
+        self.metrics = ServerMetrics()
+        # The access gate (built by the backend's KVCache) counts into this daemon's metrics.
+        self.backend = Backend.open(config, on_count=self.metrics.gate)
         try:
             a = config.auth
             self.verifier = TokenVerifier(verify_keys(a.token_key_file, a.ed25519_public_key_file),
@@ -90,20 +85,17 @@ class Daemon:
         except BaseException:
             self.backend.close()
             raise
-        self.metrics = ServerMetrics()
         self.budget = ByteBudget(s.max_inflight_bytes, s.max_inflight_bytes_per_client)
         self.concurrency = ConcurrencyLimit(s.max_concurrent_rpcs)
         self.reaper = DeadlineReaper()
         self.gate = CallGate(self.verifier, self.backend.policy, self.budget, self.concurrency,
                              GateOptions(s.max_rpc_seconds, self.metrics, self.reaper))
         self.service = KvCacheService(ServiceParts(
-            store=self.backend.store, policy=self.backend.policy, local_tiers=self.backend.local_tiers,
+            store=self.backend.store, gate=self.backend.cache.gate, local_tiers=self.backend.local_tiers,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
             # A put commits well before its buffered blocks approach the per-client budget.
             limits=ServiceLimits(chunk_bytes=s.chunk_bytes,
                                  put_batch_bytes=max(1, min(16 << 20, s.max_inflight_bytes_per_client // 4))),
-            mitigations=TimingMitigations(min_public_prefix_blocks=sec.min_public_prefix_blocks,
-                                          miss_limit=sec.miss_limit or None, miss_window_s=sec.miss_window_s),
         ))
         self.health = health.HealthServicer()
         self._server: grpc.Server | None = None
@@ -177,9 +169,9 @@ class Daemon:
     def _bind(self, server: grpc.Server) -> int:
         s = self.config.server
         if s.tls_cert is not None and s.tls_key is not None:
-            ca = _read(s.tls_client_ca, "server.tls_client_ca") if s.tls_client_ca else None
+            ca = read_public_file(s.tls_client_ca, "server.tls_client_ca") if s.tls_client_ca else None
             creds = grpc.ssl_server_credentials(
-                [(_read(s.tls_key, "server.tls_key"), _read(s.tls_cert, "server.tls_cert"))],
+                [(read_secret_file(s.tls_key, "server.tls_key"), read_public_file(s.tls_cert, "server.tls_cert"))],
                 root_certificates=ca, require_client_auth=ca is not None,
             )
             port = server.add_secure_port(s.listen, creds)

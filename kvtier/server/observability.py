@@ -21,6 +21,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.security.timing import TIMING_COUNTS
 from kvtier.store.metrics import LATENCY_BUCKETS, Histogram
 from kvtier.store.tier import Tier
 
@@ -38,10 +39,20 @@ class ServerMetrics:
         self.failures: Counter[tuple[str, str]] = Counter()
         self.latency: dict[str, Histogram] = {}
         self.mitigations: Counter[str] = Counter()
+        self.access: Counter[str] = Counter()
 
     def mitigated(self, what: str, n: int = 1) -> None:
         with self._lock:
             self.mitigations[what] += n
+
+    def gate(self, what: str, n: int = 1) -> None:
+        """What the access gate counted: timing mitigations in their own family, refusals and
+        other stops (denied, purging_miss, not_published) in the access family."""
+        if what in TIMING_COUNTS:
+            self.mitigated(what, n)
+            return
+        with self._lock:
+            self.access[what] += n
 
     def call_started(self, method: str) -> None:
         with self._lock:
@@ -66,6 +77,7 @@ class ServerMetrics:
                 "failures": {f"{m}:{c}": n for (m, c), n in self.failures.items()},
                 "latency": {m: (list(h.counts), h.total, h.n) for m, h in self.latency.items()},
                 "mitigations": dict(self.mitigations),
+                "access": dict(self.access),
             }
 
 
@@ -161,11 +173,15 @@ class DaemonCollector(Collector):
                                         labels=["what"])
         for what, n in snap["mitigations"].items():
             mitigated.add_metric([what], float(n))
+        access = CounterMetricFamily("kvtier_access_gate", "What the access gate refused or stopped, by kind",
+                                     labels=["what"])
+        for what, n in snap["access"].items():
+            access.add_metric([what], float(n))
         sync = CounterMetricFamily("kvtier_revocation_sync", "Revocations shared with other nodes, by outcome",
                                    labels=["outcome"])
         for outcome, n in g.revocation_sync().items():
             sync.add_metric([outcome], float(n))
-        yield from (calls, errs, lat, inflight, active, refused, mitigated, sync)
+        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync)
 
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:

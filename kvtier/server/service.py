@@ -1,23 +1,21 @@
-"""The KvCache gRPC service: the daemon's store and policy behind the wire protocol.
+"""The KvCache gRPC service: the daemon's store behind the wire protocol.
 
-Access rule (the same Policy the in-process KVCache uses): a key's scope domain is its first 16
-bytes; the caller's usable domains come from its verified principal (``Policy.readable_domains``).
-- Lookup stops the prefix at the first key whose domain the caller may not read, or whose scope
-  is being purged; the answer never depends on whether such a key is stored.
-- Get, Delete and ListScope refuse the whole call (PERMISSION_DENIED) if any key or domain is not
-  the caller's, before any tier is touched.
-- Put refuses (PERMISSION_DENIED) a block in a domain the caller cannot read; a block in a shared
-  scope (public/org) the caller may read but not publish is not stored and is listed as rejected,
-  as KVCache.save does.
-- Stats shows per-tier totals to everyone (no tenant can be told apart in them) and per-domain
-  usage for the caller's own domains only (operators: all, as opaque ids).
+Every access decision is made by the one ``AccessGate`` (kvtier/security/gate.py) that the
+in-process KVCache uses too; this module only translates between the wire, the gate and the
+store, and every read goes through the store (verification, promotion, metrics):
+- Lookup: ``gate.lookup``; the prefix stops at the first key the caller may not read or whose
+  scope is being purged, and the answer never depends on whether such a key is stored.
+- Get: ``gate.require_readable`` refuses the whole call (PERMISSION_DENIED) if any key is not
+  the caller's, before any tier is touched. Prefix mode: ``gate.lookup`` then ``store.load`` of
+  that lookup. Per-key mode: ``gate.each`` says which keys may be served, ``store.get_each``
+  reads them (promoting hits from lower tiers, as a prefix read does).
+- Put: ``gate.writable`` per block as it arrives (refused: another's scope, a private scope the
+  caller may not write, a scope under purge); a shared scope the caller may read but not publish
+  is skipped and listed as rejected. The store's per-key report says stored/present/rejected.
+- Delete, ListScope, Purge and Stats: ``gate.require_delete``, ``require_list``, the purge
+  function (KVCache.purge: ``gate.require_purge``) and ``gate.visible_domains``.
 Put commits whole, verified blocks in batches as they arrive: a stream that fails part-way may
 leave earlier blocks stored (each whole), never a partial block.
-Timing mitigations (``TimingGuard``, KVCache's own rules): Lookup and Get are refused while the
-caller is over its missed-read budget (decided before any tier is touched) and count a miss when
-they come back short; Lookup and prefix Gets apply the minimum public-prefix rule. A per-key Get
-cannot (a key alone does not say how long a public prefix it ends), so while that rule is on it
-answers public keys as misses without touching a tier.
 """
 
 from __future__ import annotations
@@ -25,36 +23,35 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import AccessDenied, InvalidRequest
-from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
+from kvtier.keys import BlockKey, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.service_name import SERVICE_NAME
 from kvtier.rpc.wire import (
     BlockAssembler,
     ChunkFrame,
     FrameSource,
-    WireFrame,
     check_domain,
     check_keys,
     decode_frame,
     encode_frame,
     pack_items,
 )
+from kvtier.security.gate import AccessGate
 from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
-from kvtier.security.timing import TimingGuard, TimingMitigations
 from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
-from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.tier import Tier
-from kvtier.store.tiered_store import TieredStore
+from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 
 log = logging.getLogger("kvtier.server")
 
@@ -85,14 +82,14 @@ class ServiceParts:
     """What the service is built from (one parameter object instead of a long argument list)."""
 
     store: TieredStore
-    policy: Policy
+    #: The access gate of the daemon's KVCache (``cache.gate``): the one set of access rules.
+    gate: AccessGate
     local_tiers: Sequence[Tier]
     purge: PurgeFn
     budget: ByteBudget
     concurrency: ConcurrencyLimit
     metrics: ServerMetrics
     limits: ServiceLimits
-    mitigations: TimingMitigations = field(default_factory=TimingMitigations)
 
 
 class RevokeRule(ABC):
@@ -139,146 +136,76 @@ REVOKE_RULES: dict[int, RevokeRule] = {
 class KvCacheService(pb_grpc.KvCacheServicer):
     """Serves one TieredStore to many authenticated clients.
 
-    Invariants: every method receives a Call (principal already verified by CallGate); no tier is
-    touched for a key outside the caller's domains; a Get stream pins every block it will send
-    until the stream ends (however it ends), and every payload byte it or a Put buffers is held
-    on the call's lease. The service keeps no per-client state between calls.
-    When the fastest tier is a FrameSource, Get sends its blocks as the frames it holds (no copy,
-    no hash per call); blocks from the other tiers are read, promoted and encoded as before.
+    Invariants: every method receives a Call (principal already verified by CallGate) and asks
+    the gate before touching a tier; a Get stream pins every block it will send until the stream
+    ends (however it ends), and every payload byte it or a Put buffers is held on the call's
+    lease. The service keeps no per-client state between calls. When the fastest tier is a
+    FrameSource, the store reads it as frames (no copy, no hash per call); blocks from the other
+    tiers are verified, promoted and encoded.
     """
 
     def __init__(self, parts: ServiceParts) -> None:
         self.parts = parts
         self.store = parts.store
-        self.policy = parts.policy
+        self.gate = parts.gate
+        self.policy = parts.gate.policy
         self.limits = parts.limits
-        self._local = list(parts.local_tiers)
-        self._local_names = {t.name for t in self._local}
+        self._local_names = {t.name for t in parts.local_tiers}
         first = self.store.tiers[0]
-        self._hot: FrameSource | None = first if isinstance(first, FrameSource) else None
-        self.guard = TimingGuard(self.store, parts.mitigations, parts.metrics.mitigated)
-
-    # -- access -----------------------------------------------------------------------------------
-    def _domains(self, p: Principal) -> dict[ScopeDomain, Scope]:
-        return self.policy.readable_domains(p)
-
-    def _require_readable(self, p: Principal, keys: Sequence[BlockKey]) -> None:
-        readable = self._domains(p)
-        for i, k in enumerate(keys):
-            if key_domain(k) not in readable:
-                raise AccessDenied(f"keys[{i}] is in a scope principal {p.id} cannot read")
-
-    def _scope_for_delete(self, p: Principal, domain: ScopeDomain) -> Scope:
-        scope = self._domains(p).get(domain)
-        if scope is None or not self.policy.may_delete(p, scope):
-            raise AccessDenied(f"delete in this scope refused for principal {p.id}")
-        return scope
-
-    def _usable(self, keys: Sequence[BlockKey], readable: dict[ScopeDomain, Scope]) -> int:
-        """Leading keys the caller may read and that are not under purge."""
-        fence = self.store.fence
-        for i, k in enumerate(keys):
-            dom = key_domain(k)
-            if dom not in readable or fence.is_closed(dom):
-                return i
-        return len(keys)
+        self._frames = first.frames if isinstance(first, FrameSource) else None
 
     # -- lookup -----------------------------------------------------------------------------------
     def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
         keys = check_keys(request.keys, self.limits.max_keys)
-        self.guard.admit(call.principal)
-        readable = self._domains(call.principal)
-        n = self._usable(keys, readable)
-        lk = self.guard.lookup(keys[:n], readable)
-        self.guard.served(call.principal, lk.length, len(keys))
-        runs = [pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in lk.runs]
-        return pb.LookupResponse(length=lk.length, runs=runs, readable=n)
+        gl = self.gate.lookup(call.principal, keys)
+        runs = [pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in gl.lookup.runs]
+        return pb.LookupResponse(length=gl.lookup.length, runs=runs, readable=gl.readable)
 
     # -- get --------------------------------------------------------------------------------------
     def Get(self, request: pb.GetRequest, call: Call) -> Iterator[pb.BlockChunk]:
         keys = check_keys(request.keys, self.limits.max_keys)
-        self._require_readable(call.principal, keys)
+        p = call.principal
+        self.gate.require_readable(p, keys)
         if request.mode not in (pb.GET_MODE_EACH, pb.GET_MODE_PREFIX):
             raise InvalidRequest(f"unknown get mode {request.mode}")
-        self.guard.admit(call.principal)
         sent = [0]  # blocks streamed; a stream that ends early (however) counts as a miss
         try:
             if request.mode == pb.GET_MODE_EACH:
+                self.gate.admit(p)
                 yield from self._get_each(keys, call, sent)
             else:
                 yield from self._get_prefix(keys, call, sent)
         finally:
-            self.guard.served(call.principal, sent[0], len(keys))
+            self.gate.served(p, sent[0], len(keys))
 
     def _get_prefix(self, keys: list[BlockKey], call: Call, sent: list[int]) -> Iterator[ChunkFrame | bytes]:
-        readable = self._domains(call.principal)
-        n = self._usable(keys, readable)
-        lk = self.guard.lookup(keys[:n], readable)
-        want = keys[: lk.length]
+        lk = self.gate.lookup(call.principal, keys, then_read=True).lookup
         step = self.limits.get_batch_blocks
         # Pinned for the whole stream: a block promised by this lookup is not evicted before it
         # is sent, however slowly the client reads.
-        with self.store.pins.hold(want):
-            for a in range(0, len(want), step):
+        with self.store.pins.hold(list(lk.keys)):
+            for a in range(0, lk.length, step):
                 call.check_deadline()
-                b = min(a + step, len(want))
-                part = want[a:b]
-                sl = _slice(lk, a, b)
-                items: list[tuple[int, Block | WireFrame]] = []
-                if self._hot is not None and sl.runs and sl.runs[0].level == 0 and sl.runs[0].start == 0:
-                    for i, fr in enumerate(self._hot.frames(part[: sl.runs[0].count])):
-                        if not _matches(fr, part[i]):
-                            break
-                        items.append((a + i, fr))
-                k = len(items)
-                if k < len(part):
-                    rest = part[k:]
-                    blocks = self.store.get(rest, domains=[key_domain(x) for x in rest], lookup=_slice(lk, a + k, b))
-                    items += [(a + k + i, blk) for i, blk in enumerate(blocks)]
-                yield from self._send(call, items)
-                sent[0] += len(items)
-                if len(items) < len(part):
+                b = min(a + step, lk.length)
+                got = self.store.load(lk.slice(a, b), first=self._frames)
+                yield from self._send(call, [(a + i, x) for i, x in enumerate(got)])
+                sent[0] += len(got)
+                if len(got) < b - a:
                     return  # a block vanished or failed verification: the prefix ends here
 
     def _get_each(self, keys: list[BlockKey], call: Call, sent: list[int]) -> Iterator[ChunkFrame | bytes]:
-        fence = self.store.fence
         step = self.limits.get_batch_blocks
-        hidden = self._public_domains(call.principal) if self.guard.hides_public_keys() else frozenset()
+        may = self.gate.each(call.principal, keys)
         with self.store.pins.hold(keys):
             for a in range(0, len(keys), step):
                 call.check_deadline()
-                batch = list(enumerate(keys[a : a + step], a))
-                if hidden and (n_hidden := sum(key_domain(k) in hidden for _, k in batch)):
-                    self.parts.metrics.mitigated("public_key_get_hidden", n_hidden)
-                part = [(i, k) for i, k in batch if key_domain(k) not in hidden and not fence.is_closed(key_domain(k))]
-                items = self._read_each(part)
+                pos = [i for i in range(a, min(a + step, len(keys))) if may[i]]
+                got = self.store.get_each([keys[i] for i in pos], first=self._frames)
+                items = [(i, x) for i, x in zip(pos, got, strict=True) if x is not None]
                 yield from self._send(call, items)
                 sent[0] += len(items)
 
-    def _public_domains(self, p: Principal) -> frozenset[ScopeDomain]:
-        return frozenset(d for d, scope in self._domains(p).items() if scope.kind == ScopeKind.PUBLIC)
-
-    def _read_each(self, part: list[tuple[int, BlockKey]]) -> list[tuple[int, Block | WireFrame]]:
-        """Each key from the fastest tier that has it; one batched get per tier for what is left."""
-        found: dict[int, Block | WireFrame] = {}
-        todo = part
-        for tier in self.store.tiers:
-            if not todo:
-                break
-            want = [k for _, k in todo]
-            got = self._hot.frames(want) if tier is self._hot else tier.get(want)
-            left = []
-            for (pos, k), item in zip(todo, got, strict=True):
-                if _matches(item, k):
-                    found[pos] = item
-                else:
-                    if item is not None:
-                        tier.metrics.error("wrong_block")
-                    left.append((pos, k))
-            todo = left
-        return sorted(found.items())
-
-    def _send(self, call: Call, items: list[tuple[int, Block | WireFrame]]) -> Iterator[ChunkFrame | bytes]:
+    def _send(self, call: Call, items: Sequence[tuple[int, Readable]]) -> Iterator[ChunkFrame | bytes]:
         lease = call.lease
         total = sum(x.nbytes for _, x in items)
         lease.reserve(total)
@@ -294,18 +221,13 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     # -- put --------------------------------------------------------------------------------------
     def Put(self, requests: Iterator[pb.BlockChunk], call: Call) -> pb.PutResponse:
         p = call.principal
-        readable = self._domains(p)
         writable: dict[ScopeDomain, bool] = {}
         lease = call.lease
 
         def allocate(_pos: int, meta: BlockMeta) -> torch.Tensor:
-            dom = meta.domain
-            if dom not in readable:
-                raise AccessDenied(f"put into a scope principal {p.id} cannot use")
-            if self.store.fence.is_closed(dom):
-                raise AccessDenied(f"scope {readable[dom]} is being purged; writes are refused until it finishes")
-            if dom not in writable:
-                writable[dom] = self.policy.may_write(p, readable[dom])
+            # Asked per block, before its bytes are buffered: a purge that starts mid-stream
+            # refuses the blocks after it.
+            writable.update(self.gate.writable(p, [meta.domain]))
             lease.reserve(meta.nbytes)
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
 
@@ -321,7 +243,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 continue
             seen.add(blk.key)
             if not writable[blk.meta.domain]:
-                out.rejected.append(blk.key)  # shared scope without the publish role: skipped, as in KVCache
+                out.rejected.append(blk.key)  # shared scope without the publish role: skipped
                 lease.release(blk.nbytes)
                 continue
             batch.append(blk)
@@ -338,23 +260,17 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         if not batch:
             return
         try:
-            before = [self._held(b.key) for b in batch]
-            new = [b for b, had in zip(batch, before, strict=True) if not had]
-            if new:
-                self.store.put(new)
-            for b, had in zip(batch, before, strict=True):
-                if had:
-                    out.present.append(b.key)
-                elif self._held(b.key):
+            report = self.store.put(batch)
+            for b in batch:
+                outcome = report.outcomes[b.key].outcome
+                if outcome is PutOutcome.STORED:
                     out.stored.append(b.key)
-                else:
+                elif outcome is PutOutcome.PRESENT:
+                    out.present.append(b.key)
+                else:  # no local tier took it, or its scope is being purged
                     out.rejected.append(b.key)
         finally:
             call.lease.release(sum(b.nbytes for b in batch))
-
-    def _held(self, key: BlockKey) -> bool:
-        """Whether a local tier holds ``key`` (the remote tier is written asynchronously)."""
-        return any(t.contains([key]) for t in self._local)
 
     # -- delete / list / purge --------------------------------------------------------------------
     def Delete(self, request: pb.DeleteRequest, call: Call) -> pb.DeleteResponse:
@@ -363,15 +279,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             raise InvalidRequest("delete takes keys or a domain, not both")
         if request.domain:
             domain = check_domain(request.domain)
-            self._scope_for_delete(p, domain)
+            self.gate.require_delete(p, [domain])
             held: set[BlockKey] = set()
             for t in self.store.tiers:
                 held.update(t.keys_in_scope(domain))
             removed = self.store.delete_scope(domain)
         else:
             keys = list(dict.fromkeys(check_keys(request.keys, self.limits.max_keys)))
-            for dom in {key_domain(k) for k in keys}:
-                self._scope_for_delete(p, dom)
+            self.gate.require_delete(p, {key_domain(k) for k in keys})
             held = {k for k in keys if any(t.contains([k]) for t in self.store.tiers)}
             removed = self.store.delete(keys)
         log.info("delete", extra={"event": "delete", "principal": p.id, "removed": removed})
@@ -379,8 +294,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     def ListScope(self, request: pb.ListScopeRequest, call: Call) -> pb.ListScopeResponse:
         domain = check_domain(request.domain)
-        if domain not in self._domains(call.principal):
-            raise AccessDenied(f"listing this scope refused for principal {call.principal.id}")
+        self.gate.require_list(call.principal, domain)
         keys: set[BlockKey] = set()
         for t in self.store.tiers:
             keys.update(t.keys_in_scope(domain))
@@ -412,9 +326,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     # -- stats / domains --------------------------------------------------------------------------
     def Stats(self, request: pb.StatsRequest, call: Call) -> pb.StatsResponse:
-        p = call.principal
-        every_domain = ROLE_OPERATOR in p.roles
-        mine = self._domains(p)
+        visible = self.gate.visible_domains(call.principal)
         out = pb.StatsResponse()
         for t in self.store.tiers:
             snap = t.metrics.snapshot()
@@ -429,7 +341,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 ts.usage_listed = True
                 ts.blocks, ts.bytes, ts.capacity_bytes = u.blocks, u.bytes, u.capacity_bytes or 0
                 for dom, n in u.by_domain.items():
-                    if every_domain or dom in mine:
+                    if visible is None or dom in visible:
                         ts.domain_bytes[dom.hex()] = n
         srv = self.parts.metrics.snapshot()
         out.server.inflight_bytes = self.parts.budget.in_flight
@@ -441,7 +353,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     def Domains(self, request: pb.DomainsRequest, call: Call) -> pb.DomainsResponse:
         p = call.principal
         out = pb.DomainsResponse(principal=p.id)
-        for dom, scope in self._domains(p).items():
+        for dom, scope in self.gate.readable(p).items():
             out.scopes.add(
                 kind=ScopeKind(scope.kind).name.lower(), scope=str(scope), domain=dom,
                 may_read=self.policy.decide(Op.READ, p, scope), may_write=self.policy.decide(Op.WRITE, p, scope),
@@ -450,22 +362,6 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         return out
 
 
-def _matches(item: Block | WireFrame | None, key: BlockKey) -> bool:
-    """Whether a tier's answer for ``key`` is that block, in the key's own scope domain."""
-    return item is not None and item.meta.key == key and item.meta.domain == key_domain(key)
-
-
-def _slice(lk: Lookup, a: int, b: int) -> Lookup:
-    """The runs of ``lk`` that cover chain positions [a, b), renumbered from 0."""
-    runs = []
-    for r in lk.runs:
-        lo, hi = max(r.start, a), min(r.start + r.count, b)
-        if lo < hi:
-            runs.append(TierRun(r.level, r.tier, lo - a, hi - lo))
-    return Lookup(tuple(runs), b - a)
-
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
 
 
 def service_handler(service: KvCacheService) -> grpc.GenericRpcHandler:

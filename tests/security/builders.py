@@ -8,6 +8,7 @@ way a process restart would.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,7 @@ class CacheRig:
     kinds: tuple[str, ...]
     make_s3: Callable[..., Tier] | None = None
     mitigations: TimingMitigations = field(default_factory=TimingMitigations)
+    clock: Callable[[], float] = time.monotonic
     cache: KVCache = field(init=False)
     keyring: KeyRing = field(init=False)
     audit: AuditLog = field(init=False)
@@ -111,7 +113,8 @@ class CacheRig:
         self.store = TieredStore(tiers)
         self.cache = KVCache(
             self.store, SMALL, self.policy,
-            CacheOptions(keyring=self.keyring, journal_dir=self.root / "journal", mitigations=self.mitigations),
+            CacheOptions(keyring=self.keyring, journal_dir=self.root / "journal", mitigations=self.mitigations,
+                         clock=self.clock),
         )
 
     def close(self) -> None:

@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.localdeploy import LocalDeployment
 from kvtier.block import Block
 from kvtier.keys import Scope, Segment, block_chain
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.daemon import Daemon
-from kvtier.server.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import SECRET, SMALL, same_bytes
 

@@ -12,7 +12,7 @@ from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, RateLimited
 from kvtier.keys import PUBLIC, Scope, Segment, key_domain
 from kvtier.layout import KVLayout
 from kvtier.security.policy import Policy
-from kvtier.security.timing import MissRateLimiter, TimingMitigations
+from kvtier.security.timing import TimingMitigations
 from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 from tests.helpers import DERIVER, SMALL
@@ -195,8 +195,8 @@ def test_min_public_prefix_hides_short_public_hits(tmp_path) -> None:
 
 def test_miss_rate_limit_refuses_after_n_misses_per_window(tmp_path) -> None:
     now = [1000.0]
-    rig = CacheRig(tmp_path, ("memory",), mitigations=TimingMitigations(miss_limit=3, miss_window_s=10))
-    rig.cache.guard.limiter = MissRateLimiter(3, 10, clock=lambda: now[0])
+    rig = CacheRig(tmp_path, ("memory",), mitigations=TimingMitigations(miss_limit=3, miss_window_s=10),
+                   clock=lambda: now[0])
     try:
         cached = rig.save_request(ALICE)
         for _ in range(5):

@@ -1,0 +1,101 @@
+"""The daemon's one data path: every read goes through the store (and promotes), and a lookup
+handed back to ``KVCache.load`` costs no second Lookup RPC. Real daemon, real LMDB, real gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.localdeploy import LocalDeployment
+from connectors.provision import daemon_cache
+from kvtier.block import Block
+from kvtier.cache.kv_cache import RequestSegment
+from kvtier.errors import ScopeError
+from kvtier.keys import Segment, block_chain
+from kvtier.security.policy import Principal
+from kvtier.server.daemon import Daemon
+from storage_backends.grpc import GrpcTier, GrpcTierConfig
+from tests.helpers import SECRET, SMALL, same_bytes
+
+MEMORY_BLOCKS = 8
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[tuple[Daemon, LocalDeployment]]:
+    dep = LocalDeployment(tmp_path / "dep", server_secret=SECRET)
+    dep.write_config(memory_bytes=MEMORY_BLOCKS * SMALL.bytes_per_block, disk_bytes=32 << 20)
+    d = Daemon(dep.config()).start()
+    yield d, dep
+    d.stop(grace_s=0)
+
+
+def own_blocks(tier: GrpcTier, n: int, seed: int) -> list[Block]:
+    table = tier.domains()
+    bt = SMALL.block_tokens
+    chain = block_chain(SMALL, [Segment(list(range(seed * 10_000, seed * 10_000 + n * bt)), table.own("user"))], table)
+    gen = torch.Generator().manual_seed(seed)
+    return [Block.build(SMALL, c.key, c.domain, torch.randn(SMALL.block_shape, generator=gen).to(SMALL.torch_dtype),
+                        parent=c.parent, index=c.index) for c in chain]
+
+
+@pytest.mark.parametrize("mode", ["each", "prefix"])
+def test_every_get_promotes_blocks_from_disk_into_memory(rig, mode: str) -> None:
+    daemon, dep = rig
+    alice = GrpcTier(GrpcTierConfig(daemon.address, dep.token("acme", "alice")))
+    try:
+        old = own_blocks(alice, 4, seed=1)
+        assert len(alice.put(old).stored) == 4
+        # Eight newer blocks push the first four out of the 8-block memory tier into LMDB.
+        assert len(alice.put(own_blocks(alice, MEMORY_BLOCKS, seed=2)).stored) == MEMORY_BLOCKS
+        memory, disk = daemon.store.tiers[0], daemon.store.tiers[1]
+        keys = [b.key for b in old]
+        assert memory.contains(keys[:1]) == 0 and disk.contains(keys) == 4
+        got = alice.get(keys) if mode == "each" else alice.get_prefix(keys)
+        assert all(g is not None and same_bytes(g, b) for g, b in zip(got, old, strict=True))
+        assert memory.contains(keys) == 4, "the blocks read from LMDB were promoted into memory"
+    finally:
+        alice.close()
+
+
+def test_a_lookup_handed_back_to_load_costs_no_second_lookup_rpc(rig) -> None:
+    daemon, dep = rig
+    alice = Principal("acme", "alice")
+    cache = daemon_cache(GrpcTierConfig(daemon.address, dep.token("acme", "alice")), SMALL)
+    try:
+        segs = [RequestSegment(list(range(3 * SMALL.block_tokens)), "user")]
+        chain = cache.chain(alice, segs)
+        gen = torch.Generator().manual_seed(0)
+        data = [torch.randn(SMALL.block_shape, generator=gen).to(SMALL.torch_dtype) for _ in chain]
+        cache.save(alice, chain, data)
+        before = dict(daemon.metrics.snapshot()["calls"])
+        lookup = cache.lookup(alice, chain)
+        blocks = cache.load(alice, chain, lookup=lookup)
+        after = daemon.metrics.snapshot()["calls"]
+        assert len(blocks) == 3 and all(torch.equal(b.data, d) for b, d in zip(blocks, data, strict=True))
+        assert after.get("Lookup", 0) - before.get("Lookup", 0) == 1
+        assert after.get("Get", 0) - before.get("Get", 0) == 1
+        # Without the lookup, load asks once itself: the same count, never two.
+        cache.load(alice, chain)
+        again = daemon.metrics.snapshot()["calls"]
+        assert again["Lookup"] - after["Lookup"] == 1 and again["Get"] - after["Get"] == 1
+    finally:
+        cache.store.close()
+
+
+def test_a_lookup_of_another_chain_is_refused(rig) -> None:
+    daemon, dep = rig
+    alice = Principal("acme", "alice")
+    cache = daemon_cache(GrpcTierConfig(daemon.address, dep.token("acme", "alice")), SMALL)
+    try:
+        one = cache.chain(alice, [RequestSegment(list(range(2 * SMALL.block_tokens)), "user")])
+        other = cache.chain(alice, [RequestSegment(list(range(500, 500 + 2 * SMALL.block_tokens)), "user")])
+        gen = torch.Generator().manual_seed(0)
+        cache.save(alice, one, [torch.randn(SMALL.block_shape, generator=gen).to(SMALL.torch_dtype) for _ in one])
+        with pytest.raises(ScopeError, match="not one of this chain"):
+            cache.load(alice, other, lookup=cache.lookup(alice, one))
+    finally:
+        cache.store.close()
+
