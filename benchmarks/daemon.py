@@ -370,7 +370,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.server.localdeploy import LocalDeployment
+    from benchmarks.localdeploy import LocalDeployment
 
     quick = args.quick
     clients = 4 if quick else args.clients

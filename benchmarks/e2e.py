@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import progress, table, write_json
+from benchmarks.common import progress, stop_process, table, write_json
+from connectors.provision import daemon_cache
 from connectors.transformers_connector import Generation, TransformersConnector
 from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.engine.models import model_spec
@@ -47,7 +48,7 @@ from kvtier.planning.probes import probe_host_to_device, probe_prefill
 from kvtier.planning.profiles import TierProfile
 from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.store.tier import Tier
-from kvtier.store.tiered_store import TieredStore
+from kvtier.store.tiered_store import TieredStore, TransferObserver
 from storage_backends.memory import MemoryTier
 
 #: Relative logit agreement (max |a - b| / std) that counts as "the same" for bf16 KV reuse.
@@ -119,9 +120,14 @@ def calibrated_cost_model(runner: PrefillRunner, tier_names: list[str]) -> CostM
 
 
 def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = None, *,
-                 runner: PrefillRunner | None = None, tenants: int | None = None) -> dict[str, Any]:
+                 runner: PrefillRunner | None = None, tenants: int | None = None,
+                 planner: CostModel | None = None) -> dict[str, Any]:
     """Run cold and warm requests against ``source``; returns the JSON fields, per-request rows,
-    per-tier traffic and the cost model's decisions. The caches must serve ``layout_of(config)``."""
+    per-tier traffic and the cost model's decisions. The caches must serve ``layout_of(config)``.
+
+    ``planner`` plans every request (without it, every cached block is reloaded); for it to
+    calibrate tier speeds online, the caches' stores must have been built with it as ``observer``.
+    """
     cfg = config or ScenarioConfig()
     if tenants is not None:
         cfg = replace(cfg, tenants=tenants)
@@ -139,7 +145,7 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
     def ask(phase: str, who: Principal, doc: list[int], question_seed: int) -> RequestRow:
         question = _tokens(cfg.question_tokens, spec.vocab_size, question_seed)
         segments = [RequestSegment(doc, ScopeKind.PUBLIC), RequestSegment(question, ScopeKind.USER)]
-        conn = TransformersConnector(caches(who), runner)
+        conn = TransformersConnector(caches(who), runner, planner=planner)
         got: Generation = conn.generate(who, segments, cfg.new_tokens)
         ref = reference.generate(who, segments, cfg.new_tokens, plan="full-recompute")
         r = got.report
@@ -197,12 +203,18 @@ def _traffic(caches: CacheSource, people: list[Principal]) -> dict[str, dict[str
 
 # -- tier setups (strategies) -----------------------------------------------------------------------
 class TierSetup(ABC):
-    """How one ``--tiers`` choice builds the per-principal caches of a run."""
+    """How one ``--tiers`` choice builds the per-principal caches of a run.
+
+    ``tier_names`` are the names of the tiers its caches' stores read (what a cost model must
+    profile); ``open`` builds those stores with ``observer`` (a cost model calibrating online).
+    """
 
     name: str
+    tier_names: tuple[str, ...]
 
     @abstractmethod
-    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource: ...
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
+             observer: TransferObserver | None = None) -> CacheSource: ...
 
 
 TIER_SETUPS: dict[str, TierSetup] = {}
@@ -225,8 +237,8 @@ def _keyring(stack: ExitStack, workdir: Path) -> Any:
     return KeyRing(LocalKeyProvider(os.urandom(32), source="bench-e2e"), store)
 
 
-def _local(stack: ExitStack, tiers: list[Tier], layout: KVLayout) -> CacheSource:
-    store = TieredStore(tiers)
+def _local(stack: ExitStack, tiers: list[Tier], layout: KVLayout, observer: TransferObserver | None) -> CacheSource:
+    store = TieredStore(tiers, observer=observer)
     stack.callback(store.close)
     cache = KVCache(store, layout, Policy(DomainDeriver(_SECRET)))
     return lambda _p: cache
@@ -235,27 +247,33 @@ def _local(stack: ExitStack, tiers: list[Tier], layout: KVLayout) -> CacheSource
 @register_setup
 class MemorySetup(TierSetup):
     name = "memory"
+    tier_names = ("memory",)
 
-    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
-        return _local(stack, [MemoryTier(1 << 30)], layout)
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
+             observer: TransferObserver | None = None) -> CacheSource:
+        return _local(stack, [MemoryTier(1 << 30)], layout, observer)
 
 
 @register_setup
 class LmdbSetup(TierSetup):
     name = "lmdb"
+    tier_names = ("lmdb",)
 
-    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
+             observer: TransferObserver | None = None) -> CacheSource:
         from storage_backends.lmdb import LmdbTier
 
         sealer = _keyring(stack, workdir) if encrypt else None
-        return _local(stack, [LmdbTier(workdir / "lmdb", 2 << 30, sync=False, sealer=sealer)], layout)
+        return _local(stack, [LmdbTier(workdir / "lmdb", 2 << 30, sync=False, sealer=sealer)], layout, observer)
 
 
 @register_setup
 class S3Setup(TierSetup):
     name = "s3"
+    tier_names = ("s3",)
 
-    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
+             observer: TransferObserver | None = None) -> CacheSource:
         from kvtier.server.embedded_s3 import EmbeddedS3
         from storage_backends.s3 import S3Tier
 
@@ -263,7 +281,7 @@ class S3Setup(TierSetup):
         srv = EmbeddedS3(workdir / "seaweedfs", bucket="kvtier-e2e", volume_size_limit_mb=256).start()
         stack.callback(srv.kill)
         sealer = _keyring(stack, workdir) if encrypt else None
-        return _local(stack, [S3Tier(srv.s3_config("e2e"), sealer=sealer)], layout)
+        return _local(stack, [S3Tier(srv.s3_config("e2e"), sealer=sealer)], layout, observer)
 
 
 @register_setup
@@ -272,9 +290,11 @@ class DaemonSetup(TierSetup):
     the daemon do not share a GIL); one client per tenant token."""
 
     name = "daemon"
+    tier_names = ("daemon",)  # the daemon's own tiers are behind it: the engine sees one
 
-    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
-        return start_daemon(stack, workdir, layout, memory_bytes=1 << 30)
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
+             observer: TransferObserver | None = None) -> CacheSource:
+        return start_daemon(stack, workdir, layout, memory_bytes=1 << 30, observer=observer)
 
 
 @register_setup
@@ -283,8 +303,10 @@ class DaemonS3Setup(TierSetup):
     encrypted LMDB tier, writing through to an embedded SeaweedFS (also encrypted)."""
 
     name = "daemon+s3"
+    tier_names = ("daemon",)
 
-    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool) -> CacheSource:
+    def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
+             observer: TransferObserver | None = None) -> CacheSource:
         from kvtier.server.embedded_s3 import EmbeddedS3
 
         progress("starting embedded SeaweedFS (S3 on loopback)")
@@ -294,14 +316,15 @@ class DaemonS3Setup(TierSetup):
         # Half a document of memory: every warm request reads from memory and from LMDB.
         doc_bytes = 4000 * layout.bytes_per_token
         return start_daemon(stack, workdir, layout, memory_bytes=doc_bytes // 2, disk_bytes=1 << 30, remote=remote,
-                            security={"encrypt_disk": encrypt, "encrypt_remote": encrypt})
+                            security={"encrypt_disk": encrypt, "encrypt_remote": encrypt}, observer=observer)
 
 
 def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_bytes: int,
                  disk_bytes: int | None = None, remote: dict[str, Any] | None = None,
-                 security: dict[str, Any] | None = None) -> CacheSource:
-    """Start ``kvtier serve`` in a subprocess (stopped by ``stack``); one client per principal."""
-    from kvtier.server.localdeploy import LocalDeployment
+                 security: dict[str, Any] | None = None, observer: TransferObserver | None = None) -> CacheSource:
+    """Start ``kvtier serve`` in a subprocess (stopped by ``stack``); one client per principal,
+    whose store tells ``observer`` its reads."""
+    from benchmarks.localdeploy import LocalDeployment
 
     dep = LocalDeployment(workdir / "daemon", server_secret=_SECRET)
     dep.write_config(memory_bytes=memory_bytes, disk_bytes=disk_bytes, remote=remote, security=security,
@@ -310,7 +333,7 @@ def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_by
     progress("starting a kvtier daemon (gRPC on loopback)")
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
                              "--ready-file", str(ready)])
-    stack.callback(_stop, proc)
+    stack.callback(stop_process, proc)
     deadline = time.monotonic() + 60
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -318,33 +341,26 @@ def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_by
         time.sleep(0.1)
     address = json.loads(ready.read_text())["address"]
     return daemon_source(stack, address,
-                         lambda p: dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600), layout)
+                         lambda p: dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600), layout,
+                         observer=observer)
 
 
 def daemon_source(stack: ExitStack, address: str, token_for: Callable[[Principal], str],
-                  layout: KVLayout) -> CacheSource:
-    """One daemon client per principal, with the token ``token_for`` mints for it (closed by ``stack``)."""
-    from connectors.provision import daemon_cache
+                  layout: KVLayout, *, observer: TransferObserver | None = None) -> CacheSource:
+    """One daemon client per principal, with the token ``token_for`` mints for it (closed by ``stack``);
+    each client's store tells ``observer`` its reads."""
     from storage_backends.grpc import GrpcTierConfig
 
     clients: dict[str, KVCache] = {}
 
     def cache_for(p: Principal) -> KVCache:
         if p.id not in clients:
-            clients[p.id] = daemon_cache(GrpcTierConfig(address, token_for(p)), layout)
-            stack.callback(clients[p.id].store.close)
+            cache = daemon_cache(GrpcTierConfig(address, token_for(p)), layout, observer=observer)
+            stack.callback(cache.store.close)
+            clients[p.id] = cache
         return clients[p.id]
 
     return cache_for
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @contextmanager
@@ -383,14 +399,14 @@ def run(args: argparse.Namespace) -> int:
     runner.warmup()
     t0 = time.perf_counter()
     with ExitStack() as stack, _workdir(args.workdir) as workdir:
-        source = TIER_SETUPS[args.tiers].open(stack, workdir, runner.layout, args.encrypt)
+        setup = TIER_SETUPS[args.tiers]
+        cm: CostModel | None = None
         if not args.no_cost_model:
+            # Before the stores exist: they feed it their reads (online calibration of the tiers).
             progress("start-up probe of the prefill and host copies (cost model)")
-            people = tenants_of(cfg.tenants)
-            cm = calibrated_cost_model(runner, [t.name for t in source(people[0]).store.tiers])
-            for p in people:
-                source(p).store.cost_model = cm
-        result = run_scenario(source, cfg, runner=runner)
+            cm = calibrated_cost_model(runner, list(setup.tier_names))
+        source = setup.open(stack, workdir, runner.layout, args.encrypt, observer=cm)
+        result = run_scenario(source, cfg, runner=runner, planner=cm)
     result["tiers_setup"] = args.tiers + ("+encrypted" if args.encrypt else "")
     result["seconds"] = time.perf_counter() - t0
     _print(result)

@@ -41,14 +41,14 @@ def scenario_through_daemon(workdir: Path) -> dict[str, Any]:
     progress(f"building the {cfg.model} model (random weights, {spec.dtype})")
     runner = PrefillRunner(spec.build(cfg.seed), spec.layout())
     runner.warmup()
+    setup = TIER_SETUPS["daemon+s3"]
     with ExitStack() as stack:
-        source = TIER_SETUPS["daemon+s3"].open(stack, workdir, runner.layout, encrypt=True)
+        # The cost model exists before the daemon clients' stores, which feed it their reads.
         progress("start-up probe of the prefill and host copies (cost model)")
-        cm = calibrated_cost_model(runner, ["daemon"])
+        cm = calibrated_cost_model(runner, list(setup.tier_names))
+        source = setup.open(stack, workdir, runner.layout, encrypt=True, observer=cm)
         people = tenants_of(cfg.tenants)
-        for p in people:
-            source(p).store.cost_model = cm
-        result = run_scenario(source, cfg, runner=runner)
+        result = run_scenario(source, cfg, runner=runner, planner=cm)
         result["daemon_stats"] = source(people[0]).store.tiers[0].stats()
     return result
 

@@ -2,7 +2,8 @@
 
 For each case (model size x prefix length x tier setup) the benchmark
 
-1. asks the store for a plan (``TieredStore.plan``) *before* measuring anything of that case;
+1. asks the cost model for a plan of the store's lookup (``CostModel.plan``) *before* measuring
+   anything of that case;
 2. executes every plan the cost model considered, for real: blocks come from the tier through
    the store, KV is computed by a random-weight Llama in transformers (kvtier.prefill), and the
    pipelined plan really loads the back on a thread while the front is computed;
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import progress, table, write_json
+from benchmarks.common import progress, stop_process, table, write_json
 from benchmarks.throttle import ThrottledTier
 from kvtier.block import Block
 from kvtier.engine.models import ModelSpec, model_spec
@@ -149,7 +150,7 @@ class BenchEnv:
 
     def daemon_tier(self) -> Tier:
         """A GrpcTier on a ``kvtier serve`` daemon started for this run (memory tier inside)."""
-        from kvtier.server.localdeploy import LocalDeployment
+        from benchmarks.localdeploy import LocalDeployment
         from storage_backends.grpc import GrpcTier, GrpcTierConfig
 
         dep = LocalDeployment(self.workdir / "daemon", server_secret=_SERVER_SECRET)
@@ -158,7 +159,7 @@ class BenchEnv:
         progress("starting a kvtier daemon (gRPC on loopback)")
         proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
                                  "--ready-file", str(ready)], cwd=_ROOT)
-        self.stack.callback(_stop, proc)
+        self.stack.callback(stop_process, proc)
         deadline = time.monotonic() + 60
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -289,7 +290,7 @@ class DaemonSetup(TierSetup):
 
     def available(self, env: BenchEnv) -> str | None:
         try:
-            import kvtier.server.localdeploy  # noqa: F401
+            import benchmarks.localdeploy  # noqa: F401
             import storage_backends.grpc  # noqa: F401
         except ModuleNotFoundError as exc:
             return f"daemon not available ({exc.name} missing)"
@@ -297,15 +298,6 @@ class DaemonSetup(TierSetup):
 
     def build(self, env: BenchEnv) -> list[Tier]:
         return [env.daemon_tier()]
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _backing(tier: Tier) -> Tier:
@@ -351,8 +343,9 @@ class PlanExecutor:
             return []
         first = opt.load[0].start
         want = keys[first : first + opt.load_blocks]
-        lk = Lookup(tuple(TierRun(self._level[r.tier], r.tier, r.start - first, r.count) for r in opt.load), len(want))
-        got = self.store.get(want, lookup=lk)
+        lk = Lookup(tuple(TierRun(self._level[r.tier], r.tier, r.start - first, r.count) for r in opt.load), len(want),
+                    keys=tuple(want))
+        got = self.store.load(lk)
         if len(got) != len(want):
             raise TierUnavailable(f"plan {opt.name}: only {len(got)} of {len(want)} blocks could be loaded")
         return [b.data for b in got]
@@ -467,7 +460,7 @@ def run_case(mb: ModelBench, setup: TierSetup, store: TieredStore, cm: CostModel
     new = mb.tokens[n : n + config.new_tokens]
     setup.arrange(store, mb.blocks, blocks_n)
     t0 = time.perf_counter()
-    plan = store.plan(keys, config.new_tokens, mb.layout)  # decided before anything of this case ran
+    plan = cm.plan(store.lookup(keys), config.new_tokens, mb.layout)  # decided before anything of this case ran
     plan_ms = (time.perf_counter() - t0) * 1e3
     if plan.cached_blocks != blocks_n:
         raise TierUnavailable(f"{setup.name}: lookup found {plan.cached_blocks} of {blocks_n} blocks")
@@ -516,7 +509,8 @@ def sweep(config: SweepConfig, workdir: Path, *, want_s3: bool) -> dict[str, Any
     t_start = time.perf_counter()
     env = BenchEnv(workdir, config, want_s3)
     skipped: dict[str, str] = {}
-    stores: dict[str, TieredStore] = {}
+    #: Each setup's tiers, built once; every model gets its own store over them (see below).
+    tiers: dict[str, list[Tier]] = {}
     try:
         for name in config.setups:
             setup = TIER_SETUPS[name]
@@ -525,24 +519,26 @@ def sweep(config: SweepConfig, workdir: Path, *, want_s3: bool) -> dict[str, Any
                 skipped[name] = why
                 progress(f"skipping tier setup {name}: {why}")
                 continue
-            stores[name] = TieredStore(setup.build(env), promote=False)
+            tiers[name] = setup.build(env)
         decrypt = probe_decrypt()
         profiles: dict[str, TierProfile] = {}
         engines: dict[str, dict[str, Any]] = {}
         cases: list[CaseResult] = []
         models = [model_spec(m) for m in config.models]
-        total = sum(len(config.prefixes[m.name]) for m in models) * len(stores)
+        total = sum(len(config.prefixes[m.name]) for m in models) * len(tiers)
         for mi, spec in enumerate(models):
             mb = ModelBench(spec, config)
             if mi == 0:
-                _probe_tiers(stores, profiles, decrypt, mb.runner)
+                _probe_tiers(tiers, profiles, decrypt, mb.runner)
             cm = CostModel(mb.prefill_profile, profiles, decrypt_Bps=decrypt, host_to_device=mb.h2d)
-            for name, store in stores.items():
+            for name, setup_tiers in tiers.items():
                 setup = TIER_SETUPS[name]
+                # A store per model over the setup's tiers, built with this model's cost model:
+                # its reads calibrate that model (the tier profiles are shared by all of them).
+                store = TieredStore(setup_tiers, promote=False, observer=cm)
                 progress(f"{spec.name}/{name}: storing {len(mb.blocks)} blocks "
                          f"({len(mb.blocks) * mb.layout.bytes_per_block / 2**20:.1f} MiB)")
                 setup.prepare(store, mb.blocks)
-                store.cost_model = cm
                 for n in config.prefixes[spec.name]:
                     res = run_case(mb, setup, store, cm, n, config)
                     cases.append(res)
@@ -554,16 +550,17 @@ def sweep(config: SweepConfig, workdir: Path, *, want_s3: bool) -> dict[str, Any
             engines[spec.name] = {"prefill": cm.prefill.describe(), "host_to_device": cm.host_to_device.describe()}
         return _report(config, cases, skipped, profiles, engines, decrypt, time.perf_counter() - t_start)
     finally:
-        for store in stores.values():
-            store.close()
+        for setup_tiers in tiers.values():
+            for tier in setup_tiers:
+                tier.close()
         env.close()
 
 
-def _probe_tiers(stores: dict[str, TieredStore], profiles: dict[str, TierProfile], decrypt: float,
+def _probe_tiers(tiers: dict[str, list[Tier]], profiles: dict[str, TierProfile], decrypt: float,
                  runner: PrefillRunner) -> None:
     spec = TierProbe()
-    for store in stores.values():
-        for tier in store.tiers:
+    for setup_tiers in tiers.values():
+        for tier in setup_tiers:
             if tier.name in profiles:
                 continue  # same name, same hardware: one profile (e.g. the link in two setups)
             progress(f"probing tier {tier.name}")

@@ -91,7 +91,7 @@ class Replayer:
             for n, chain in enumerate(wl.chains, 1):
                 keys = chain.keys
                 lk = store.lookup(keys)
-                got = store.get(keys, lookup=lk)
+                got = store.load(lk)
                 hit = len(got)
                 for run in lk.runs:
                     if run.start < hit:

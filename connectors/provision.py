@@ -26,7 +26,7 @@ from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.security.policy import Policy
-from kvtier.store.tiered_store import TieredStore
+from kvtier.store.tiered_store import TieredStore, TransferObserver
 
 if TYPE_CHECKING:
     from storage_backends.grpc import GrpcTierConfig
@@ -94,16 +94,19 @@ def shared_cache(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
         return cache
 
 
-def daemon_cache(tier_config: GrpcTierConfig, layout: KVLayout) -> KVCache:
+def daemon_cache(
+    tier_config: GrpcTierConfig, layout: KVLayout, *, observer: TransferObserver | None = None
+) -> KVCache:
     """A KVCache whose one tier is a ``kvtier serve`` daemon, for the principal of the token in
     ``tier_config`` only: keys use the scope domains the daemon hands out for that token (the
     server secret never leaves the daemon), and the daemon checks its policy again on every call;
-    the local policy only refuses early. Pass the token's principal to every call."""
+    the local policy only refuses early. Pass the token's principal to every call. ``observer``
+    (a cost model) is told the size and duration of every read from the daemon."""
     from storage_backends.grpc import GrpcTier
 
     tier = GrpcTier(tier_config)
     # DomainTable stands in for the DomainDeriver: it answers for the token's own scopes only.
-    return KVCache(TieredStore([tier]), layout, Policy(tier.domains()))  # type: ignore[arg-type]
+    return KVCache(TieredStore([tier], observer=observer), layout, Policy(tier.domains()))  # type: ignore[arg-type]
 
 
 def forget_shared_caches() -> None:

@@ -15,7 +15,7 @@ into a shared scope:
   private part). Probing whether a public document is cached is possible by design, as for any
   public content (see docs/security.md and KVCache's timing mitigations).
 
-``load_decision`` asks the cost model (when the store has one) how much of a cached prefix to
+``load_decision`` asks the cost model (when the engine has one) how much of a cached prefix to
 reload; engines that cannot compute the front of a prompt while loading its back consider only
 the plans without overlap.
 """
@@ -30,6 +30,7 @@ from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.errors import AccessDenied, ConfigError
 from kvtier.keys import ChainBlock, ScopeKind
 from kvtier.layout import KVLayout
+from kvtier.planning.cost_model import CostModel
 from kvtier.security.policy import Principal
 from kvtier.store.lookup import Lookup
 
@@ -116,17 +117,18 @@ def scoped_chain(cache: KVCache, principal: Principal, prompt: ScopedPrompt, n_b
 @dataclass(slots=True, frozen=True)
 class LoadDecision:
     """How many leading cached blocks to reload, and the cost model's plan name (``reload-all``
-    when the store has no cost model)."""
+    without a cost model)."""
 
     blocks: int
     plan: str
     predicted_ms: dict[str, float]
 
 
-def load_decision(cache: KVCache, lookup: Lookup, new_tokens: int, layout: KVLayout, *,
+def load_decision(planner: CostModel | None, lookup: Lookup, new_tokens: int, layout: KVLayout, *,
                   overlap: bool = False) -> LoadDecision:
-    """The cost model's choice for a cached prefix ``lookup`` followed by ``new_tokens`` to compute."""
-    cm = cache.store.cost_model
+    """The cost model's choice for a cached prefix ``lookup`` followed by ``new_tokens`` to compute
+    (without a ``planner``, the whole hit is reloaded)."""
+    cm = planner
     if cm is None or lookup.length == 0:
         return LoadDecision(lookup.length, "reload-all" if lookup.length else "none", {})
     plan = cm.plan(lookup, max(new_tokens, 1), layout)

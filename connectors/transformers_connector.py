@@ -4,9 +4,9 @@ Per request (``TransformersConnector.generate``):
 
 1. the request's segments (public manual, private history, question: each with a scope relative
    to the principal) become a key chain through the KVCache, which checks the policy;
-2. the chain's longest cached prefix is looked up, and the store's cost model picks a plan
-   (``full-reload``, ``full-recompute``, ``split``, ``pipelined``; without a cost model, the
-   whole hit is reloaded);
+2. the chain's longest cached prefix is looked up, and the connector's cost model (``planner``)
+   picks a plan (``full-reload``, ``full-recompute``, ``split``, ``pipelined``; without a cost
+   model, the whole hit is reloaded);
 3. the planned blocks are loaded through the KVCache (verified; a block that vanished shortens
    the load and its tokens are computed instead) into the model's cache object;
 4. the model runs only on what must be computed; the first token's logits are the TTFT point;
@@ -31,6 +31,7 @@ from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.engine.prefill import PrefillRunner, PrefillTiming
 from kvtier.errors import ConfigError
 from kvtier.keys import ChainBlock
+from kvtier.planning.cost_model import CostModel
 from kvtier.security.policy import Principal
 from kvtier.store.lookup import Lookup
 
@@ -79,26 +80,29 @@ class TransformersConnector:
     """A transformers model (through a PrefillRunner) whose prompt KV comes from a KVCache.
 
     Invariants: the runner's layout is the KVCache's layout (checked at construction); every read
-    and write names the principal, so the policy decides each of them.
+    and write names the principal, so the policy decides each of them. ``planner`` (optional)
+    chooses each request's plan and learns from what the connector measures (prefill, assembly);
+    for it to learn tier speeds too, build the cache's store with it as ``observer``.
     """
 
-    def __init__(self, cache: KVCache, runner: PrefillRunner, *, save: bool = True) -> None:
+    def __init__(self, cache: KVCache, runner: PrefillRunner, *, save: bool = True,
+                 planner: CostModel | None = None) -> None:
         if cache.layout(runner.layout) != runner.layout:
             raise ConfigError("the KVCache does not serve the runner's layout")
         self.cache = cache
         self.runner = runner
+        self.planner = planner
         self.layout = runner.layout
         self.save = save
-        self._levels = {t.name: i for i, t in enumerate(cache.store.tiers)}
 
     # -- planning ---------------------------------------------------------------------------------
     def _execution(self, lookup: Lookup, new_tokens: int, plan: str | None) -> tuple[Execution, dict[str, float]]:
         n = lookup.length
-        cm = self.cache.store.cost_model
+        cm = self.planner
         if cm is None or n == 0:
             name = plan or ("full-reload" if n else "full-recompute")
             if name not in PURE_PLANS:
-                raise ConfigError(f"plan {name!r} needs a cost model on the store (store.cost_model)")
+                raise ConfigError(f"plan {name!r} needs a cost model: pass TransformersConnector(..., planner=)")
             return (Execution(name, 0, n if name == "full-reload" else 0, 0, False), {})
         p = cm.plan(lookup, new_tokens, self.layout)
         opt = p.option(plan) if plan is not None else p.chosen
@@ -132,7 +136,7 @@ class TransformersConnector:
         ex, predicted = self._execution(lookup, len(tokens) - lookup.length * bt, plan)
         t_plan = time.perf_counter()
         front_blocks: list[torch.Tensor] = []
-        loaded, load_s, front_s = self._load_and_front(principal, chain, ex, tokens)
+        loaded, load_s, front_s = self._load_and_front(principal, chain, lookup, ex, tokens)
         if ex.overlapped:
             front_blocks, loaded = loaded[: ex.front], loaded[ex.front :]
         t_load = time.perf_counter()
@@ -155,7 +159,7 @@ class TransformersConnector:
         )
         self._observe(len(tokens) - start, start, res.timing)
         # Token hit rate (DESIGN 3.9): input tokens whose KV came from the cache, over all input tokens.
-        self.cache.store.record_request(len(tokens), reused)
+        self.cache.record_request(len(tokens), reused)
         return res.logits_last, res.cache, report
 
     def generate(self, principal: Principal, segments: Sequence[RequestSegment], max_new_tokens: int, *,
@@ -174,33 +178,35 @@ class TransformersConnector:
         return Generation(out, logits, report)
 
     # -- internals --------------------------------------------------------------------------------
-    def _load_and_front(self, principal: Principal, chain: Sequence[ChainBlock], ex: Execution,
-                        tokens: Sequence[int]) -> tuple[list[torch.Tensor], float, float]:
+    def _load_and_front(self, principal: Principal, chain: Sequence[ChainBlock], lookup: Lookup,
+                        ex: Execution, tokens: Sequence[int]) -> tuple[list[torch.Tensor], float, float]:
         """Blocks for ``[0, load_end)``: computed front (pipelined) then loaded blocks.
 
         A load that comes back short (a block vanished or failed verification) stops there: the
-        blocks after it are computed with the tail.
+        blocks after it are computed with the tail. The blocks are read as ``lookup`` found them
+        (no second lookup).
         """
         if ex.load_end <= ex.load_start:
             return [], 0.0, 0.0
         want = chain[ex.load_start : ex.load_end]
+        found = lookup.slice(ex.load_start, ex.load_end)
         if not ex.overlapped:
             t0 = time.perf_counter()
-            blocks = self.cache.load(principal, want)
+            blocks = self.cache.load(principal, want, lookup=found)
             return [b.data for b in blocks], time.perf_counter() - t0, 0.0
         got: list[torch.Tensor] = []
         errors: list[BaseException] = []
         load_s = [0.0]
-        cm = self.cache.store.cost_model
+        cm = self.planner
 
         def loader() -> None:
             t = time.perf_counter()
             try:
                 if cm is not None:
                     with cm.overlapped():
-                        got.extend(b.data for b in self.cache.load(principal, want))
+                        got.extend(b.data for b in self.cache.load(principal, want, lookup=found))
                 else:
-                    got.extend(b.data for b in self.cache.load(principal, want))
+                    got.extend(b.data for b in self.cache.load(principal, want, lookup=found))
             except BaseException as exc:  # re-raised on the caller's thread below
                 errors.append(exc)
             load_s[0] = time.perf_counter() - t
@@ -247,7 +253,7 @@ class TransformersConnector:
 
     def _observe(self, new_tokens: int, ctx_tokens: int, timing: PrefillTiming) -> None:
         """Feed the cost model what this request measured (online calibration)."""
-        cm = self.cache.store.cost_model
+        cm = self.planner
         if cm is None:
             return
         cm.observe_prefill(new_tokens, ctx_tokens, timing.forward_s)

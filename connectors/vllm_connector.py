@@ -56,6 +56,7 @@ from kvtier.cache.kv_cache import KVCache
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, TierUnavailable
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.security.policy import Principal
+from kvtier.store.lookup import Lookup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,7 +73,9 @@ if TYPE_CHECKING:
 class BlockJob:
     """Load or save blocks ``[start, end)`` of a request's chain to/from vLLM blocks ``block_ids``.
 
-    Carries tokens and scopes, not keys: each worker derives keys with its own layout.
+    Carries tokens and scopes, not keys: each worker derives keys with its own layout. A load also
+    carries what the scheduler's lookup found for ``[start, end)`` under the scheduler's layout
+    (``layout_fp``): a worker with that same layout reads it without looking up again.
     """
 
     req_id: str
@@ -81,6 +84,8 @@ class BlockJob:
     start: int
     end: int
     block_ids: tuple[int, ...]
+    found: Lookup | None = None
+    layout_fp: bytes = b""
 
 
 @dataclass
@@ -99,9 +104,13 @@ class _Match:
     principal: Principal
     prompt: ScopedPrompt
     local_tokens: int
-    cached_blocks: int
+    lookup: Lookup
     load_blocks: int
     plan: str
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.lookup.length
 
 
 @dataclass(slots=True)
@@ -214,9 +223,9 @@ class KvtierConnector(KVConnectorBase_V1):
         except AccessDenied:  # revoked or rate-limited principal: served without kvtier
             self.stats["lookup_refused"] += 1
             return 0, False
-        decision = load_decision(self.cache, lookup, len(tokens) - lookup.length * self.block_tokens, self.layout)
+        decision = load_decision(None, lookup, len(tokens) - lookup.length * self.block_tokens, self.layout)
         hit_tokens = decision.blocks * self.block_tokens
-        self._matched[request.request_id] = _Match(principal, prompt, num_computed_tokens, lookup.length,
+        self._matched[request.request_id] = _Match(principal, prompt, num_computed_tokens, lookup,
                                                    decision.blocks, decision.plan)
         self.stats[f"plan:{decision.plan}"] += 1
         if hit_tokens <= num_computed_tokens:
@@ -235,7 +244,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 raise LayoutMismatch(f"request {request.request_id}: {len(block_ids)} blocks allocated, "
                                      f"kvtier planned blocks [{start}, {end})")
             self._loads_pending.append(BlockJob(request.request_id, match.principal, match.prompt, start, end,
-                                                tuple(block_ids[start:end])))
+                                                tuple(block_ids[start:end]), match.lookup.slice(start, end),
+                                                self.layout.fingerprint))
             self.stats["load_jobs"] += 1
             self.stats["load_tokens"] += num_external_tokens
         if self.save_enabled and request.request_id not in self._tracked:
@@ -336,7 +346,9 @@ class KvtierConnector(KVConnectorBase_V1):
         for job in jobs:
             try:
                 chain = scoped_chain(self.cache, job.principal, job.prompt, job.end)
-                blocks = self.cache.load(job.principal, chain[job.start : job.end])
+                # The scheduler's lookup is this worker's only when both derive keys with one layout.
+                found = job.found if job.layout_fp == self.layout.fingerprint else None
+                blocks = self.cache.load(job.principal, chain[job.start : job.end], lookup=found)
             except (AccessDenied, TierUnavailable) as exc:  # refused or unreachable: vLLM recomputes them
                 blocks, error = [], exc
                 counts[f"load_error:{type(exc).__name__}"] += 1

@@ -165,7 +165,8 @@ class CostModel:
             per_block.append(pb + spb * bpb + dec)
             ovl.append(prof.overlap)
         ctx = PlanContext(
-            self, tuple(lookup.runs), lookup.length, layout.block_tokens, layout.bytes_per_token,
+            self.prefill, self.host_to_device, self.front_copies,
+            tuple(lookup.runs), lookup.length, layout.block_tokens, layout.bytes_per_token,
             (lookup.requested - lookup.length) * layout.block_tokens + new_tokens,
             np.array(lat), np.array(per_block), np.array(ovl),
         )

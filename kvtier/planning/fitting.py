@@ -6,12 +6,8 @@ import math
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    pass
 
 
 # -- the online fit ---------------------------------------------------------------------------------

@@ -8,9 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from kvtier.planning.cost_model import CostModel
-
+from kvtier.planning.profiles import HostToDeviceProfile, PrefillProfile
 
 if TYPE_CHECKING:
     from kvtier.store.lookup import TierRun
@@ -91,9 +89,15 @@ class Plan:
 
 @dataclass(slots=True, frozen=True)
 class PlanContext:
-    """Everything a strategy needs, precomputed once per request (vectorised over split points)."""
+    """Everything a strategy needs, precomputed once per request (vectorised over split points).
 
-    model: CostModel
+    ``prefill`` and ``host_to_device`` price compute and assembly; ``front_copies`` is how often a
+    pipelined plan copies the front it computed (see CostModel.front_copies).
+    """
+
+    prefill: PrefillProfile
+    host_to_device: HostToDeviceProfile
+    front_copies: int
     runs: tuple[TierRun, ...]
     cached_blocks: int
     block_tokens: int
@@ -126,10 +130,10 @@ class PlanContext:
         return np.where(den > 0, num / np.maximum(den, 1e-12), 0.0)
 
     def compute(self, new: np.ndarray | int, ctx: np.ndarray | int) -> np.ndarray:
-        return self.model.prefill.predict(new, ctx)
+        return self.prefill.predict(new, ctx)
 
     def assemble(self, tokens: np.ndarray | int) -> np.ndarray:
-        return self.model.host_to_device.predict(np.asarray(tokens) * self.bytes_per_token)
+        return self.host_to_device.predict(np.asarray(tokens) * self.bytes_per_token)
 
     def runs_in(self, a: int, b: int) -> tuple[LoadRun, ...]:
         out = []
@@ -222,7 +226,7 @@ class Pipelined(PlanStrategy):
         eta = ctx.overlap_fraction(k, np.full_like(k, n))
         # After the join the loaded back moves into the engine's cache, the computed front is
         # copied as often as the engine needs (see CostModel.front_copies), then the tail runs.
-        after = (ctx.assemble((n - k) * bt) + ctx.model.front_copies * ctx.assemble(k * bt)
+        after = (ctx.assemble((n - k) * bt) + ctx.front_copies * ctx.assemble(k * bt)
                  + ctx.compute(ctx.tail_tokens, ctx.cached_tokens))
         t = np.maximum(front, back) + eta * np.minimum(front, back) + after
         i = int(np.argmin(t))

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.planning.fitting import OnlineLinearFit, _octave
-
-if TYPE_CHECKING:
-    pass
-
 
 # -- profiles ---------------------------------------------------------------------------------------
 #: Upper bound of a tier's overlap penalty. Above 1 running load and compute together is slower

@@ -20,6 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.localdeploy import LocalDeployment
 from kvtier.block import Block
 from kvtier.keys import Scope, Segment, block_chain
 from kvtier.layout import KVLayout
@@ -28,7 +29,6 @@ from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
 from kvtier.rpc.wire import block_messages
 from kvtier.server.daemon import Daemon
 from kvtier.server.embedded_s3 import EmbeddedS3
-from kvtier.server.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.lmdb import LmdbTier
 from tests.helpers import DERIVER, SECRET, same_bytes, wait_for

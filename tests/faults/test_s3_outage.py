@@ -49,7 +49,7 @@ def test_outage_degrades_to_local_tiers_and_recovers(server: EmbeddedS3, tmp_pat
     # Local tiers keep serving, byte for byte.
     lk = store.lookup(keys_local)
     assert lk.length == 4 and lk.blocks_in("memory") == 4
-    assert all(same_bytes(g, b) for g, b in zip(store.get(keys_local, lookup=lk), local, strict=True))
+    assert all(same_bytes(g, b) for g, b in zip(store.load(lk), local, strict=True))
 
     # Remote-only blocks become misses, quickly and without an exception.
     t0 = time.monotonic()

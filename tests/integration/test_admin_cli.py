@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.localdeploy import LocalDeployment
 from kvtier.cli.main import main
 from kvtier.server.daemon import Daemon
-from kvtier.server.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import SECRET, SMALL
 from tests.integration.test_daemon import user_chain

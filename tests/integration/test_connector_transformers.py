@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.localdeploy import LocalDeployment
 from connectors.provision import daemon_cache
 from connectors.transformers_connector import TransformersConnector
 from kvtier.cache.kv_cache import KVCache, RequestSegment
@@ -22,7 +23,6 @@ from kvtier.security.master_keys import LocalKeyProvider
 from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
 from kvtier.server.daemon import Daemon
-from kvtier.server.localdeploy import LocalDeployment
 from kvtier.store.tiered_store import TieredStore
 from storage_backends.grpc import GrpcTierConfig
 from storage_backends.memory import MemoryTier

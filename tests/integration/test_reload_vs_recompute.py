@@ -44,15 +44,14 @@ def test_every_plan_executes_to_the_same_logits(engine: PrefillRunner, tmp_path)
     blocks = [Block.build(lay, c.key, c.domain, d, parent=c.parent, index=c.index)
               for c, d in zip(chain, kv, strict=True)]
     front, back = MemoryTier(1 << 24), ThrottledTier(LmdbTier(tmp_path / "db", 1 << 26), bandwidth_Bps=None, name="far")
-    store = TieredStore([front, back], promote=False)
-    front.put(blocks[:3])
-    back.put(blocks)
     profiles = {"memory": TierProfile("memory", 1e-5, 1e10), "far": TierProfile("far", 1e-3, 1e8)}
     cm = CostModel(probe_prefill(engine, points=((16, 0), (64, 0), (16, 64)), repeats=1), profiles,
                    host_to_device=probe_host_to_device(engine, (2, 8)))
-    store.cost_model = cm
+    store = TieredStore([front, back], promote=False, observer=cm)
+    front.put(blocks[:3])
+    back.put(blocks)
     keys = [b.key for b in blocks]
-    plan = store.plan(keys, new.numel(), lay)
+    plan = cm.plan(store.lookup(keys), new.numel(), lay)
     assert [o.name for o in plan.options] == list(rvr.PLANS)
     assert [r.tier for r in plan.option("full-reload").load] == ["memory", "far"]
     reference = engine.prefill(tokens, extract=False).logits_last

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.localdeploy import LocalDeployment
 from kvtier.errors import AccessDenied, AuthError, TierUnavailable
 from kvtier.security.policy import RevocationChange
 from kvtier.server.daemon import Daemon
 from kvtier.server.embedded_s3 import EmbeddedS3
-from kvtier.server.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.s3_revocations import S3RevocationFeed
 from tests.helpers import SECRET, chain_blocks, wait_for

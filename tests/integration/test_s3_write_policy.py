@@ -35,7 +35,7 @@ def test_write_through_lets_another_node_hit(tmp_path, make_s3_tier) -> None:
     node_b = TieredStore([MemoryTier(64 * BPB)], remote=make_s3_tier(), write_policy="none")
     lk = node_b.lookup(keys)
     assert lk.length == 6 and lk.blocks_in("s3") == 6
-    got = node_b.get(keys, lookup=lk)
+    got = node_b.load(lk)
     assert len(got) == 6 and all(same_bytes(g, b) for g, b in zip(got, blocks, strict=True))
     assert node_b.lookup(keys).blocks_in("memory") == 6  # promoted on hit
     node_a.close()
@@ -69,7 +69,7 @@ def test_write_back_uploads_only_what_leaves_the_disk_tier(tmp_path, make_s3_tie
     assert in_s3 == [not x for x in local], "exactly the blocks evicted from disk went to S3"
     lk = store.lookup(keys)
     assert lk.length == 8 and lk.blocks_in("s3") == 3
-    got = store.get(keys, lookup=lk)
+    got = store.load(lk)
     assert all(same_bytes(g, b) for g, b in zip(got, blocks, strict=True))
     store.close()
 

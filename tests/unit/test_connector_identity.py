@@ -94,7 +94,7 @@ def test_public_registry_marks_only_published_blocks_public() -> None:
     assert [k.scope.kind for k in keys] == [ScopeKind.PUBLIC] * 2 + [ScopeKind.USER] * 3
     assert scope_rule("private").scope(cache, alice, doc, 3).public_blocks == 0
     lk = cache.lookup(alice, keys)
-    assert load_decision(cache, lk, 10, LAYOUT).blocks == 2  # no cost model: reload the whole hit
+    assert load_decision(None, lk, 10, LAYOUT).blocks == 2  # no cost model: reload the whole hit
     # A principal limited to public scopes keeps only the public part.
     reader = Principal("acme", "reader", scope_kinds=frozenset({ScopeKind.PUBLIC}))
     assert len(scoped_chain(cache, reader, scoped, 5)) == 2
@@ -105,7 +105,7 @@ def test_public_registry_marks_only_published_blocks_public() -> None:
 
 
 def test_config_provider_opens_the_tiers_of_a_kvtier_toml(tmp_path: Path) -> None:
-    from kvtier.server.localdeploy import LocalDeployment
+    from benchmarks.localdeploy import LocalDeployment
 
     dep = LocalDeployment(tmp_path / "dep", server_secret=b"config-provider-secret-0123456789")
     dep.write_config(memory_bytes=1 << 20, disk_bytes=8 << 20)

@@ -76,10 +76,9 @@ def cost_model(tiers: list[Tier]) -> CostModel:
 
 
 def connector(runner: PrefillRunner, tiers: list[Tier], *, with_cost_model: bool = True) -> TransformersConnector:
-    store = TieredStore(tiers)
-    if with_cost_model:
-        store.cost_model = cost_model(tiers)
-    return TransformersConnector(KVCache(store, LAYOUT, POLICY), runner)
+    cm = cost_model(tiers) if with_cost_model else None
+    store = TieredStore(tiers, observer=cm)
+    return TransformersConnector(KVCache(store, LAYOUT, POLICY), runner, planner=cm)
 
 
 def reference(runner: PrefillRunner, segments: list[RequestSegment]) -> Generation:
@@ -194,7 +193,7 @@ def test_bad_input_is_refused_and_stores_nothing(runner: PrefillRunner) -> None:
         conn.generate(BOB, request(), 1)  # bob has no session scope
     with pytest.raises((AccessDenied, ScopeError)):
         conn.generate(BOB, [RequestSegment(MANUAL, ScopeKind.ORG)], 1)  # nor an org
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="planner="):
         conn.generate(ALICE, request(), 1, plan="split")  # needs a cost model
     assert conn.cache.store.tiers[0].usage().blocks == 0
     POLICY.revoke("acme/alice")

@@ -312,7 +312,7 @@ def test_pipelined_runs_calibrate_the_overlap_penalty() -> None:
     assert cm.observe_overlap(p.option("full-reload"), LAYOUT, 1.0) is None
 
 
-# -- the store's planning call ----------------------------------------------------------------------
+# -- the store feeds the model; planning reads nothing ------------------------------------------------
 class _Fixed(Tier):
     name = "fixed"
 
@@ -320,9 +320,9 @@ class _Fixed(Tier):
         return len(keys)
 
     def get(self, keys):
-        raise AssertionError("plan() must not read blocks")
+        raise AssertionError("planning must not read blocks")
 
-    def put(self, blocks):
+    def put(self, blocks, *, pins=None, spill=False):
         raise AssertionError
 
     def delete(self, keys):
@@ -338,16 +338,42 @@ class _Fixed(Tier):
         raise AssertionError
 
 
-def test_store_plan_needs_a_cost_model_and_reads_nothing() -> None:
+def test_planning_a_store_lookup_reads_nothing() -> None:
     from kvtier.store.tiered_store import TieredStore
 
-    store = TieredStore([_Fixed()], promote=False)
+    cm = model(fixed=TierProfile("fixed", latency_s=1e-4, bandwidth_Bps=1e10))
+    store = TieredStore([_Fixed()], promote=False, observer=cm)
     keys = [bytes([i]) * 56 for i in range(8)]
-    with pytest.raises(ConfigError, match="needs a cost model"):
-        store.plan(keys, 4, LAYOUT)
-    store.cost_model = model(fixed=TierProfile("fixed", latency_s=1e-4, bandwidth_Bps=1e10))
-    p = store.plan(keys, 4, LAYOUT)
+    p = cm.plan(store.lookup(keys), 4, LAYOUT)
     assert p.cached_blocks == 8 and p.name == "full-reload"
+    assert cm.profile("fixed").observations == 0  # a lookup is no transfer
+
+
+def test_a_store_built_with_the_model_as_observer_calibrates_it_from_reads() -> None:
+    from kvtier.store.tiered_store import TieredStore
+    from storage_backends.memory import MemoryTier
+    from tests.helpers import chain_blocks
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, int, int]] = []
+
+        def observe_transfer(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
+            assert seconds >= 0
+            self.seen.append((tier, blocks, nbytes))
+
+    blocks = chain_blocks(4)
+    keys = [b.key for b in blocks]
+    cm = model(memory=TierProfile("memory", latency_s=1e-5, bandwidth_Bps=1e10))
+    rec = Recorder()
+    fed = TieredStore([MemoryTier(1 << 20)], promote=False, observer=cm)
+    recorded = TieredStore([MemoryTier(1 << 20)], promote=False, observer=rec)
+    for store in (fed, recorded):
+        store.put(blocks)
+        assert len(store.get(keys)) == 4  # one complete read of one run
+        assert len(store.load(store.lookup(keys[:2]))) == 2
+    assert cm.profile("memory").observations == 2
+    assert rec.seen == [("memory", 4, sum(b.nbytes for b in blocks)), ("memory", 2, sum(b.nbytes for b in blocks[:2]))]
 
 
 # -- analytic H200 profile -------------------------------------------------------------------------

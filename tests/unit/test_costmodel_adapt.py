@@ -38,21 +38,21 @@ def test_probe_measures_the_real_tier_and_cleans_up(remote: ThrottledTier) -> No
 
 
 def test_throttled_tier_changes_the_plan_and_recovers(remote: ThrottledTier) -> None:
-    store = TieredStore([remote], promote=False)
-    store.cost_model = CostModel(PREFILL, {"remote": probe_tier(remote, decrypt_Bps=1e9, spec=QUICK_PROBE)})
+    cm = CostModel(PREFILL, {"remote": probe_tier(remote, decrypt_Bps=1e9, spec=QUICK_PROBE)})
+    store = TieredStore([remote], promote=False, observer=cm)  # the store's reads calibrate the model
     blocks = chain_blocks(64)  # 256 tokens, 32 KiB of KV
     keys = [b.key for b in blocks]
     store.put(blocks)
     for _ in range(2):  # normal traffic: the store's own reads calibrate the tier
         assert len(store.get(keys)) == 64
-    before = store.plan(keys, 16, SMALL)
+    before = cm.plan(store.lookup(keys), 16, SMALL)
     assert before.name == "full-reload"
 
     remote.set_link(bandwidth_Bps=100e3, latency_s=0.02)  # ~0.35 s for the prefix now
     plans = []
     for _ in range(4):
         assert len(store.get(keys)) == 64  # still correct, just slow
-        plans.append(store.plan(keys, 16, SMALL))
+        plans.append(cm.plan(store.lookup(keys), 16, SMALL))
         if plans[-1].name != "full-reload":
             break
     after = plans[-1]
@@ -63,7 +63,7 @@ def test_throttled_tier_changes_the_plan_and_recovers(remote: ThrottledTier) -> 
     remote.set_link(bandwidth_Bps=None)
     for _ in range(3):
         store.get(keys)
-    assert store.plan(keys, 16, SMALL).name == "full-reload"
+    assert cm.plan(store.lookup(keys), 16, SMALL).name == "full-reload"
 
 
 def test_link_waits_at_least_latency_plus_bytes_over_bandwidth() -> None:
@@ -85,10 +85,14 @@ def test_bad_link_settings_rejected(bw, lat, match: str) -> None:
     assert tier.link.bandwidth_Bps is None  # unchanged by the refused setting
 
 
-def test_wrapper_shares_pins_metrics_and_sealer_with_inner() -> None:
-    inner = MemoryTier(1 << 20)
+def test_wrapper_hands_on_pins_and_shares_metrics_and_sealer_with_inner() -> None:
+    inner = MemoryTier(2 * chain_blocks(1)[0].nbytes)
     tier = ThrottledTier(inner, bandwidth_Bps=None)
     store = TieredStore([tier], promote=False)
-    assert inner.pins is store.pins and tier.metrics is inner.metrics and tier.sealer is None
+    assert tier.metrics is inner.metrics and tier.sealer is None
+    a = chain_blocks(2)
+    with store.pins.hold([b.key for b in a]):
+        store.put(a)
+        assert tier.put(chain_blocks(1, token_base=7000), pins=store.pins).rejected  # a is pinned in inner
     store.put(chain_blocks(2))
     assert inner.usage().blocks == 2 and tier.name == "memory-link"

@@ -1,0 +1,132 @@
+"""The dependency rules of the layout, read from the imports themselves (docs/architecture.md).
+
+Layers: the core nouns (the modules directly in kvtier/) <- store <- security, planning <- the
+storage backends <- server, connectors. Every import statement counts, lazy ones inside functions
+and those under ``if TYPE_CHECKING:`` included: a rule that only holds at run time is no rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = ("kvtier", "storage_backends", "connectors", "benchmarks")
+
+CORE = "kvtier (core nouns)"
+#: What each part may import from the project (itself always).
+ALLOWED: dict[str, set[str]] = {
+    CORE: set(),
+    "kvtier.store": {CORE},
+    "kvtier.transfer": {CORE},
+    "kvtier.rpc": {CORE},
+    "kvtier.engine": {CORE},
+    "kvtier.security": {CORE, "kvtier.store"},
+    "kvtier.planning": {CORE, "kvtier.store"},
+    "kvtier.cache": {CORE, "kvtier.store", "kvtier.security"},
+    "storage_backends": {CORE, "kvtier.store", "kvtier.security", "kvtier.transfer", "kvtier.rpc"},
+    "kvtier.server": {CORE, "kvtier.store", "kvtier.security", "kvtier.planning", "kvtier.cache", "kvtier.rpc",
+                      "kvtier.transfer", "storage_backends"},
+    "connectors": {CORE, "kvtier.store", "kvtier.security", "kvtier.planning", "kvtier.cache", "kvtier.rpc",
+                   "kvtier.transfer", "kvtier.engine", "kvtier.server", "storage_backends"},
+    "kvtier.cli": {CORE, "kvtier.store", "kvtier.security", "kvtier.server", "kvtier.rpc", "storage_backends"},
+    "benchmarks": {CORE, *(f"kvtier.{p}" for p in ("store", "security", "planning", "cache", "rpc", "transfer",
+                                                   "engine", "server", "cli")), "storage_backends", "connectors"},
+}
+
+
+def part_of(module: str) -> str:
+    head, _, rest = module.partition(".")
+    if head != "kvtier":
+        return head
+    sub = rest.split(".")[0]
+    return f"kvtier.{sub}" if sub and (ROOT / "kvtier" / sub).is_dir() else CORE
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for top in PROJECT:
+        for f in (ROOT / top).rglob("*.py"):
+            if "__pycache__" in f.parts or f.name.endswith("_pb2.py") or f.name.endswith("_pb2_grpc.py"):
+                continue
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = f
+    return out
+
+
+def imports(path: Path) -> set[str]:
+    """Project modules named by every import statement of a file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.split(".")[0] in PROJECT)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    g: dict[str, set[str]] = defaultdict(set)
+    for name, path in mods.items():
+        for target in imports(path):
+            # ``from pkg import name`` names a module when pkg.name is one, else pkg itself.
+            dep = target if target in mods else target.rpartition(".")[0] if target.rpartition(".")[0] in mods else None
+            if dep is not None and dep != name:
+                g[name].add(dep)
+    return g
+
+
+def test_every_part_imports_only_what_its_layer_allows() -> None:
+    broken = []
+    for mod, deps in graph().items():
+        part = part_of(mod)
+        assert part in ALLOWED, f"{mod}: part {part} has no rule; add it to ALLOWED and docs/architecture.md"
+        for dep in deps:
+            target = part_of(dep)
+            if target != part and target not in ALLOWED[part]:
+                broken.append(f"{mod} -> {dep}")
+    assert not broken, "imports against the layering:\n" + "\n".join(sorted(broken))
+
+
+def test_nothing_under_kvtier_names_benchmarks_or_connectors() -> None:
+    bad = [f"{m} -> {d}" for m, ds in graph().items() if m.startswith("kvtier") for d in ds
+           if d.split(".")[0] in ("benchmarks", "connectors")]
+    assert not bad, bad
+
+
+def test_no_import_circles_between_modules() -> None:
+    g = graph()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt):], nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_rules_can_fail() -> None:
+    """The checker sees a lazy import inside a function, and a layer breach in it."""
+    src = "def f():\n    from kvtier.server.daemon import Daemon\n"
+    tmp = ROOT / "kvtier" / "store" / "_layering_probe.py"
+    tmp.write_text(src)
+    try:
+        deps = graph()["kvtier.store._layering_probe"]
+        assert "kvtier.server.daemon" in deps
+        assert part_of("kvtier.server.daemon") not in ALLOWED["kvtier.store"]
+    finally:
+        tmp.unlink()
