@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtier.security.master_keys import write_master_key
 from kvtier.security.policy import Principal
+from kvtier.security.salts import mint_salt
 from kvtier.security.tokens import MintRequest, mint
 from kvtier.server.auth import hmac_key_from_file
 from kvtier.server.config import DaemonConfig, load_config
@@ -67,6 +68,9 @@ class LocalDeployment:
             write_master_key(self.master_key_file)
         self.config_file = self.root / "kvtier.toml"
         self._key = hmac_key_from_file(str(self.token_key_file))
+        #: The key of the engines' request salts; the daemon verifies salts with it.
+        self.salt_key = secrets.token_bytes(32)
+        self.salt_key_file = _write_secret(self.root / "salt.key", self.salt_key.hex().encode())
 
     def write_config(
         self,
@@ -82,7 +86,7 @@ class LocalDeployment:
         sections: dict[str, dict[str, Any]] = {
             "server": {"listen": "127.0.0.1:0", "max_concurrent_rpcs": 64, "shutdown_grace_s": 5.0,
                        **(server or {})},
-            "auth": {"token_key_file": str(self.token_key_file)},
+            "auth": {"token_key_file": str(self.token_key_file), "salt_key_file": str(self.salt_key_file)},
             "security": {"server_secret_file": str(self.server_secret_file),
                          "master_key_file": str(self.master_key_file), **(security or {})},
         }
@@ -97,6 +101,10 @@ class LocalDeployment:
 
     def config(self) -> DaemonConfig:
         return load_config(self.config_file, env={})
+
+    def salt(self, tenant: str, user: str) -> str:
+        """A request salt for ``tenant``/``user``, as the deployment's gateway would mint it."""
+        return mint_salt(self.salt_key, tenant, user)
 
     def token(self, tenant: str = "acme", user: str = "alice", *, roles: tuple[str, ...] = (),
               ttl_s: float = 3600.0, **principal: Any) -> str:

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from benchmarks.common import progress, table
-from benchmarks.e2e import TIER_SETUPS, ScenarioConfig, calibrated_cost_model, run_scenario, tenants_of
+from benchmarks.e2e import TIER_SETUPS, ScenarioConfig, calibrated_cost_model, run_scenario
 from benchmarks.e2e import _print as print_scenario
 from kvtier.engine.models import model_spec
 from kvtier.engine.prefill import PrefillRunner
+from kvtier.security.policy import ROLE_OPERATOR, Principal
 
 
 def daemon_tier_rows(stats: Any) -> list[dict[str, Any]]:
@@ -47,9 +48,10 @@ def scenario_through_daemon(workdir: Path) -> dict[str, Any]:
         progress("start-up probe of the prefill and host copies (cost model)")
         cm = calibrated_cost_model(runner, list(setup.tier_names))
         source = setup.open(stack, workdir, runner.layout, encrypt=True, observer=cm)
-        people = tenants_of(cfg.tenants)
         result = run_scenario(source, cfg, runner=runner, planner=cm)
-        result["daemon_stats"] = source(people[0]).store.tiers[0].stats()
+        # Per-tier totals are for operators (a tenant sees only its own scopes' usage).
+        operator = Principal("kvtier", "ops", roles=frozenset({ROLE_OPERATOR}))
+        result["daemon_stats"] = source(operator).store.tiers[0].stats()
     return result
 
 

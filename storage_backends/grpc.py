@@ -21,7 +21,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -43,7 +43,7 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
-from kvtier.rpc.service_name import SERVICE_NAME
+from kvtier.rpc.names import AUTH_METADATA, SALT_METADATA, SERVICE_NAME
 from kvtier.rpc.status import error_from
 from kvtier.rpc.wire import BlockAssembler, ChunkFrame, ResponseSlots, decode_frame, encode_frame, pack_blocks
 from kvtier.store.pin_table import PinTable
@@ -82,6 +82,8 @@ class GrpcTierConfig:
     #: Attempts of a call that failed with UNAVAILABLE before any response arrived (gRPC retries).
     max_attempts: int = 3
     name: str = "daemon"
+    #: A request salt this client acts for (an engine credential's calls: see kvtier.security.salts).
+    salt: str | None = None
 
     def validate(self) -> None:
         if not self.target or ":" not in self.target:
@@ -104,9 +106,8 @@ class GrpcTierConfig:
             ("grpc.keepalive_time_ms", 30_000),
         ]
         if self.max_attempts > 1:  # gRPC's retry policy needs at least two attempts
-            service = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
             retry = {"methodConfig": [{
-                "name": [{"service": service}],
+                "name": [{"service": SERVICE_NAME}],
                 "retryPolicy": {"maxAttempts": self.max_attempts, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
                                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
             }]}
@@ -164,28 +165,33 @@ class GrpcTier(Tier):
     Thread-safe: the channel and stubs are; ``_domains`` is set once under ``_lock``. Pins are
     per process: this tier's PinTable cannot pin blocks inside the daemon (the daemon pins what
     it is streaming itself), so a local pin does not stop another client from evicting there.
+    The daemon is shared by every process that reaches it (``shared_across_processes``).
+    ``acting_for(salt)`` gives a client on the same channel that acts for a request's principal.
     """
 
-    def __init__(self, config: GrpcTierConfig) -> None:
+    shared_across_processes = True
+
+    def __init__(self, config: GrpcTierConfig, *, channel: _Channel | None = None) -> None:
         config.validate()
         self.name = config.name
         super().__init__()
         self.config = config
-        self._channel = config.channel()
-        self._stub = pb_grpc.KvCacheStub(self._channel)
-        # Payload-carrying calls use the frame codec (one copy of each payload byte per side).
-        self._get = self._channel.unary_stream(f"/{SERVICE_NAME}/Get",
-                                               request_serializer=pb.GetRequest.SerializeToString,
-                                               response_deserializer=decode_frame)
-        self._put = self._channel.stream_unary(f"/{SERVICE_NAME}/Put", request_serializer=encode_frame,
-                                               response_deserializer=pb.PutResponse.FromString)
+        self._owns_channel = channel is None
+        self._ch = channel if channel is not None else _Channel(config.channel())
+        self._stub, self._get, self._put = self._ch.stub, self._ch.get, self._ch.put
         self._lock = threading.Lock()
         self._domains: DomainTable | None = None
+
+    def acting_for(self, salt: str) -> GrpcTier:
+        """A client on this channel whose calls act for the principal of ``salt`` (this client's
+        token must be an engine's; the daemon verifies the salt). Closing it leaves the channel open."""
+        return GrpcTier(replace(self.config, salt=salt), channel=self._ch)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         tok = self.config.token() if callable(self.config.token) else self.config.token
-        return (("authorization", f"Bearer {tok}"),)
+        md = ((AUTH_METADATA, f"Bearer {tok}"),)
+        return md if self.config.salt is None else (*md, (SALT_METADATA, self.config.salt))
 
     def _unary(self, method: str, request: Any) -> Any:
         """One unary call; every failure becomes the matching kvtier exception."""
@@ -355,4 +361,18 @@ class GrpcTier(Tier):
         self._unary("Revoke", pb.RevokeRequest(kind=k, target=target, reason=reason, lift=lift))
 
     def close(self) -> None:
-        self._channel.close()
+        if self._owns_channel:
+            self._ch.channel.close()
+
+
+class _Channel:
+    """One channel to a daemon and its method stubs, shared by the clients acting for many salts."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.stub = pb_grpc.KvCacheStub(channel)
+        # Payload-carrying calls use the frame codec (one copy of each payload byte per side).
+        self.get = channel.unary_stream(f"/{SERVICE_NAME}/Get", request_serializer=pb.GetRequest.SerializeToString,
+                                        response_deserializer=decode_frame)
+        self.put = channel.stream_unary(f"/{SERVICE_NAME}/Put", request_serializer=encode_frame,
+                                        response_deserializer=pb.PutResponse.FromString)

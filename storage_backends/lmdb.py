@@ -6,7 +6,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import lmdb
 import torch
@@ -17,6 +16,7 @@ from kvtier.codec import SealedRecord, Sealer
 from kvtier.errors import CorruptRecord
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
+from kvtier.security.secrets import private_dir, private_file
 from kvtier.store.eviction import EntryInfo, make_policy
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, DomainIndex, IndexedTier, PutResult, protected
@@ -55,8 +55,7 @@ class LmdbTier(IndexedTier):
             raise ValueError("LmdbTier capacity_bytes must be positive")
         if tune_allocator:
             tune_malloc_for_large_blocks()
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path = private_dir(path)  # 0700 (and its files 0600) whatever the umask
         self.capacity_bytes = capacity_bytes
         self.sealer = sealer
         self.policy = make_policy(policy)
@@ -65,8 +64,10 @@ class LmdbTier(IndexedTier):
         start = max(initial_map_bytes, data.stat().st_size if data.exists() else 0)
         self.env = lmdb.open(
             str(self.path), map_size=start, max_dbs=8, sync=sync, metasync=sync, readahead=False,
-            max_readers=256, lock=True, writemap=writemap,
+            max_readers=256, lock=True, writemap=writemap, mode=0o600,
         )
+        for f in ("data.mdb", "lock.mdb"):
+            private_file(self.path / f)
         self._rec = self.env.open_db(b"rec")
         self._scratch: list[bytearray] = []
         self._index = DomainIndex()

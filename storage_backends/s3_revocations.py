@@ -1,12 +1,30 @@
 """Revocations and grants shared through the remote tier's bucket, so every node sharing it
 refuses a revoked principal without waiting for a restart.
 
-Objects are named ``<prefix>/_revocations/<at ns>-<origin>-<random>``, beside the block objects
-(``_revocations`` is not a layout tag, so never parsed as one). Each holds one change as
-canonical JSON with an HMAC-SHA256 tag under a key derived from the deployment's server secret:
-whoever can write the bucket but does not hold the secret cannot lift a revocation (or revoke
-anyone); such a record is refused and counted, never applied. Failures of the endpoint raise
-TierUnavailable.
+Format v2 (what nodes write). Each node process has an opaque random id (``node_id``, 16 hex
+characters, new at every start) and numbers its changes 1, 2, 3, ...:
+
+- ``<prefix>/_revocations/<node id>/<seq, 12 digits>``: one change, AES-256-GCM under a key
+  derived from the deployment's server secret, with the object's name as associated data. A
+  bucket reader learns the node id, the sequence number, the time and the size; never a tenant,
+  user, credential, actor, reason or host.
+- ``<prefix>/_revocations/<node id>/head``: the node's highest sequence number and, for each
+  number, the *target id* of its change (HMAC-SHA256 of the target under another derived key,
+  128 bits): sealed the same way, rewritten after every change and whenever it is missing.
+
+A reader applies every record that opens (last writer wins per target, in Policy). A record that
+is missing or does not open, below a sequence number the reader knows of (a later record, or the
+node's head), is a *gap*: the reader holds the gap's target id (from the head: every principal
+the target names is refused) until the record is back; a gap whose target it cannot know (no
+head lists it), a head that disappeared after it was seen, or a head whose number went back
+(an old head copied over a new one) holds *every* non-operator principal until resolved. The
+writing node lists its own records on every tick and puts back any that disappeared, so a
+deleted record is restored within one interval while its node runs. Someone who can write the
+bucket but lacks the secret can delay a change by deleting it, never cancel it silently.
+
+Format v1 records (``<at ns>-<origin>-<random>`` at the top of the feed, JSON tagged with
+HMAC-SHA256) from nodes of earlier releases are still read and applied; they carry identities in
+clear, so delete them once every node runs v2. Failures of the endpoint raise TierUnavailable.
 """
 
 from __future__ import annotations
@@ -14,11 +32,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import uuid
-from dataclasses import dataclass
+import os
+import re
+import secrets
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import CorruptRecord, TierUnavailable
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from kvtier.errors import CorruptRecord
 from kvtier.security.policy import RevocationChange
 from storage_backends.s3_config import S3Config
 from storage_backends.s3_objects import S3Objects
@@ -26,6 +50,11 @@ from storage_backends.s3_objects import S3Objects
 FEED_DIR = "_revocations"
 #: A change's record is a few hundred bytes; anything larger is not one of ours.
 MAX_RECORD_BYTES = 16 << 10
+#: A head lists one target id per change of its node's run (about 50 bytes each).
+MAX_HEAD_BYTES = 8 << 20
+HEAD = "head"
+_V2_NAME = re.compile(r"([0-9a-f]{16})/(\d{12}|head)")
+_AAD = b"kvtier-revocation-v2\x00"
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,16 +64,34 @@ class FeedRead:
 
     changes: list[RevocationChange]
     rejected: list[str]
+    #: Target ids (``target_id``) to refuse until their missing record is read.
+    holds: frozenset[str] = frozenset()
+    #: A gap whose target cannot be known: refuse every non-operator principal until resolved.
+    hold_all: bool = False
+    #: Why, for logs and metrics: gap / unknown_gap / head_missing / head_rollback -> count.
+    problems: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Origin:
+    """What this reader knows of one other node's feed (v2)."""
+
+    have: set[int] = field(default_factory=set)  # sequence numbers read and opened
+    head_etag: str | None = None
+    head_seq: int = 0
+    targets: dict[int, str] = field(default_factory=dict)  # seq -> target id, from the head
 
 
 class S3RevocationFeed(S3Objects):
-    """The bucket's revocation records. ``read_new`` lists the whole feed and fetches only
-    records it has not seen (names are unique; a node with a slow clock may add a name that
-    sorts before ones already seen, so no listing cursor is trusted).
+    """The bucket's revocation feed: this node's records and head (``publish``, ``maintain``)
+    and every other node's (``read_new``). ``read_new`` lists the whole feed each time, fetches
+    only records it has not opened and heads whose ETag changed, and reports the gaps.
 
-    Invariants: ``_seen`` only grows, and holds exactly the names fetched and handed out (in
-    ``changes`` or ``rejected``), so a record is applied or refused once per process. Thread-safe
-    for one reader and any number of publishers (``_seen`` belongs to the reader).
+    Invariants: ``_seq`` only grows and every number it took is in ``_mine`` (so ``maintain``
+    can put back any record); a reader's ``_Origin.have`` only grows and is committed only after
+    a whole read succeeded, so a change is handed out exactly once per process; ``_seen`` only
+    grows (names refused once). ``_pub_lock`` serialises publish and maintain; reading belongs
+    to one thread.
     """
 
     what = "revocation feed"
@@ -55,6 +102,52 @@ class S3RevocationFeed(S3Objects):
         super().__init__(config, FEED_DIR)
         self._key = key
         self._seen: set[str] = set()
+        self._aead = AESGCM(hmac.new(key, b"kvtier-revocation-seal-v2", hashlib.sha256).digest())
+        self._id_key = hmac.new(key, b"kvtier-revocation-target-id-v2", hashlib.sha256).digest()
+        #: This process's opaque id in the feed (random, new at every start).
+        self.node_id = secrets.token_hex(8)
+        self._pub_lock = threading.Lock()
+        self._seq = 0
+        self._mine: dict[int, tuple[str, bytes]] = {}  # seq -> (target id, sealed record)
+        self._etags: dict[int, str] = {}  # seq -> ETag of the record as this node last wrote it
+        self._head_etag: str | None = None
+        self._origins: dict[str, _Origin] = {}
+        self.repaired = 0
+
+    # -- v2: sealed records and heads ---------------------------------------------------------------
+    def target_id(self, target: str) -> str:
+        """The opaque id of a typed target (``principal:acme/alice``) in heads and holds."""
+        return hmac.new(self._id_key, target.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _seal(self, rel: str, body: dict[str, Any]) -> bytes:
+        nonce = os.urandom(12)
+        data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return nonce + self._aead.encrypt(nonce, data, _AAD + rel.encode())
+
+    def _open(self, rel: str, raw: bytes) -> dict[str, Any]:
+        try:
+            body = json.loads(self._aead.decrypt(raw[:12], raw[12:], _AAD + rel.encode()))
+        except (InvalidTag, ValueError, UnicodeDecodeError):
+            raise CorruptRecord("revocation record does not open (not written by a node of this deployment, "
+                                "or moved)") from None
+        if not isinstance(body, dict) or body.get("v") != 2:
+            raise CorruptRecord("revocation record has an unknown version")
+        return body
+
+    def seal_change(self, rel: str, seq: int, change: RevocationChange) -> bytes:
+        return self._seal(rel, {"v": 2, "seq": seq, "target": change.target, "revoked": change.revoked,
+                                "at": change.at, "origin": change.origin, "actor": change.actor,
+                                "reason": change.reason, "authority": change.authority})
+
+    def open_change(self, rel: str, raw: bytes) -> RevocationChange:
+        c = self._open(rel, raw)
+        try:
+            if f"{int(c['seq']):012d}" != rel.rsplit("/", 1)[1]:
+                raise ValueError("sequence number disagrees with the name")
+            return RevocationChange(str(c["target"]), bool(c["revoked"]), float(c["at"]), str(c["origin"]),
+                                    str(c["actor"]), str(c.get("reason", "")), str(c.get("authority", "operator")))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptRecord(f"revocation record is malformed: {type(exc).__name__}") from None
 
     # -- records ----------------------------------------------------------------------------------
     def _tag(self, body: bytes) -> str:
@@ -83,36 +176,170 @@ class S3RevocationFeed(S3Objects):
 
     # -- the bucket -------------------------------------------------------------------------------
     def publish(self, change: RevocationChange) -> str:
-        name = f"{self.root}{int(change.at * 1e9):020d}-{change.origin}-{uuid.uuid4().hex[:12]}"
-        body = self.encode(change)
-        self._call("put", lambda: self._client.put_object(Bucket=self.config.bucket, Key=name, Body=body))
-        return name
+        """Write the change as this node's next record, then its head. The number is used even
+        if the write fails: ``maintain`` puts the record back later, and readers hold its target
+        meanwhile (a gap), so nothing is reused or lost."""
+        with self._pub_lock:
+            self._seq += 1
+            seq = self._seq
+            rel = f"{self.node_id}/{seq:012d}"
+            self._mine[seq] = (self.target_id(change.target), self.seal_change(rel, seq, change))
+            self._etags[seq] = self._put(rel, self._mine[seq][1])
+            self._put_head()
+            return self.root + rel
+
+    def maintain(self) -> int:
+        """Put back this node's records and head if they disappeared from the bucket (and the
+        head if it changed); returns how many objects were put back."""
+        with self._pub_lock:
+            listed = self._listing(f"{self.root}{self.node_id}/")
+            n = 0
+            for seq, (_tid, sealed) in self._mine.items():
+                etag = listed.get(f"{self.node_id}/{seq:012d}")
+                if etag is None or etag != self._etags.get(seq):  # removed, or replaced by other bytes
+                    self._etags[seq] = self._put(f"{self.node_id}/{seq:012d}", sealed)
+                    n += 1
+            head = listed.get(f"{self.node_id}/{HEAD}")
+            if head is None or head != self._head_etag:
+                self._put_head()
+                n += head is not None or self._seq > 0
+            self.repaired += n
+            return n
+
+    def _put_head(self) -> None:
+        rel = f"{self.node_id}/{HEAD}"
+        body = {"v": 2, "seq": self._seq, "targets": {str(k): t for k, (t, _) in self._mine.items()}}
+        self._head_etag = self._put(rel, self._seal(rel, body))
+
+    def _put(self, rel: str, body: bytes) -> str:
+        resp = self._call("put", lambda: self._client.put_object(Bucket=self.config.bucket, Key=self.root + rel,
+                                                                 Body=body))
+        return str(resp.get("ETag", ""))
+
+    def _listing(self, prefix: str) -> dict[str, str]:
+        """Names (relative to the feed) -> ETag, all pages."""
+        out: dict[str, str] = {}
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
+            if token:
+                kw["ContinuationToken"] = token
+            page = self._call("list", lambda kw=kw: self._client.list_objects_v2(**kw))
+            for o in page.get("Contents") or []:
+                out[o["Key"][len(self.root):]] = str(o.get("ETag", ""))
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return out
 
     def read_new(self) -> FeedRead:
-        """The records not read before. If the endpoint fails part-way, what was read so far is
-        returned and the rest is read next time; if it fails before any record, TierUnavailable."""
+        """The changes not read before, and what the feed's gaps hold. If the endpoint fails,
+        TierUnavailable (nothing is marked read, so the next call reads it all again)."""
+        listed = self._listing(self.root)
         out = FeedRead([], [])
-        try:
-            for name in self._names(self.root):
-                if name in self._seen:
+        problems: dict[str, int] = {}
+        holds: set[str] = set()
+        hold_all = False
+        by_node: dict[str, dict[str, str]] = {}
+        opened: list[tuple[_Origin, int]] = []  # committed only once the whole read succeeded
+        v1: list[str] = []
+        for rel, etag in listed.items():
+            m = _V2_NAME.fullmatch(rel)
+            if m is None:
+                if "/" not in rel:
+                    self._read_v1(self.root + rel, out, v1)
+                elif rel not in self._seen:
+                    self._seen.add(rel)
+                    out.rejected.append(self.root + rel)
+                continue
+            if m.group(1) != self.node_id:
+                by_node.setdefault(m.group(1), {})[m.group(2)] = etag
+        for node in set(by_node) | set(self._origins):
+            objs = by_node.get(node, {})
+            st = self._origins.setdefault(node, _Origin())
+            why = self._read_head(node, objs.get(HEAD), st, out)
+            if why is not None:
+                problems[why] = problems.get(why, 0) + 1
+                hold_all = True
+            # The highest number known comes only from what verified (the head, records that
+            # opened): names planted by someone without the key neither raise nor hold anything.
+            top = max([st.head_seq, *st.have])
+            for name in sorted(n for n in objs if n != HEAD):
+                seq = int(name)
+                if seq in st.have:
                     continue
-                raw = self._call("get", lambda name=name: self._get(name))
-                self._seen.add(name)
+                rel = f"{node}/{name}"
                 try:
+                    raw = self._call("get", lambda rel=rel: self._get(self.root + rel))
                     if raw is None:
                         raise CorruptRecord("revocation record is too large")
-                    out.changes.append(self.decode(raw))
+                    change = self.open_change(rel, raw)
                 except CorruptRecord:
-                    out.rejected.append(name)
-        except TierUnavailable:
-            if not out.changes and not out.rejected:
-                raise
+                    if rel not in self._seen:
+                        self._seen.add(rel)
+                        out.rejected.append(self.root + rel)
+                    continue
+                opened.append((st, seq))
+                top = max(top, seq)
+                out.changes.append(change)
+            # Opened records never go missing for this reader: it applied them already. A number
+            # below the highest one known that was never read is a gap.
+            now_have = st.have | {q for o, q in opened if o is st}
+            for seq in range(1, top + 1):
+                if seq in now_have:
+                    continue
+                tid = st.targets.get(seq)
+                if tid is None:
+                    problems["unknown_gap"] = problems.get("unknown_gap", 0) + 1
+                    hold_all = True
+                else:
+                    problems["gap"] = problems.get("gap", 0) + 1
+                    holds.add(tid)
+        for st, seq in opened:
+            st.have.add(seq)
+        self._seen.update(v1)
         out.changes.sort(key=lambda c: c.stamp)
-        return out
+        return FeedRead(out.changes, out.rejected, frozenset(holds), hold_all, problems)
 
-    def _get(self, name: str) -> bytes | None:
+    def _read_head(self, node: str, etag: str | None, st: _Origin, out: FeedRead) -> str | None:
+        """Refresh what ``node``'s head says; the problem's name when it must hold everything."""
+        if etag is None:
+            return "head_missing" if st.head_etag is not None else None
+        if etag == st.head_etag:
+            return None
+        rel = f"{node}/{HEAD}"
+        try:
+            raw = self._call("get", lambda: self._get(self.root + rel, MAX_HEAD_BYTES))
+            if raw is None:
+                raise CorruptRecord("revocation head is too large")
+            body = self._open(rel, raw)
+            seq = int(body["seq"])
+            targets = {int(k): str(v) for k, v in dict(body["targets"]).items()}
+        except (CorruptRecord, ValueError, KeyError, TypeError):
+            if rel + "@" + etag not in self._seen:
+                self._seen.add(rel + "@" + etag)
+                out.rejected.append(self.root + rel)
+            # A head seen before and now replaced by one that does not open: as if removed.
+            return "head_missing" if st.head_etag is not None else None
+        if seq < st.head_seq:
+            return "head_rollback"  # an old head copied over a newer one
+        st.head_etag, st.head_seq, st.targets = etag, seq, targets
+        return None
+
+    def _read_v1(self, name: str, out: FeedRead, seen: list[str]) -> None:
+        if name in self._seen:
+            return
+        raw = self._call("get", lambda: self._get(name))
+        seen.append(name)
+        try:
+            if raw is None:
+                raise CorruptRecord("revocation record is too large")
+            out.changes.append(self.decode(raw))
+        except CorruptRecord:
+            out.rejected.append(name)
+
+    def _get(self, name: str, limit: int = MAX_RECORD_BYTES) -> bytes | None:
         obj = self._client.get_object(Bucket=self.config.bucket, Key=name)
-        if int(obj.get("ContentLength", 0)) > MAX_RECORD_BYTES:
+        if int(obj.get("ContentLength", 0)) > limit:
             obj["Body"].close()
             return None
-        return obj["Body"].read(MAX_RECORD_BYTES + 1)
+        return obj["Body"].read(limit + 1)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvtier.block import Block
-from kvtier.cache.purge import PurgeJournal, PurgeReport, ScopePurger
+from kvtier.cache.purge import Compactor, PurgeJournal, PurgeReport, ScopePurger
 from kvtier.errors import ConfigError, LayoutMismatch, ScopeError
 from kvtier.keys import (
     LAYOUT_TAG_BYTES,
@@ -47,6 +47,7 @@ from kvtier.keys import (
     key_layout_tag,
 )
 from kvtier.layout import KVLayout
+from kvtier.security.audit import check_sizes
 from kvtier.security.gate import AccessGate
 from kvtier.security.keyring import KeyRing
 from kvtier.security.policy import Policy, Principal
@@ -79,6 +80,9 @@ class CacheOptions:
     mitigations: TimingMitigations = field(default_factory=TimingMitigations)
     #: Holders of scope data outside the store's tiers (a location directory), purged too.
     extra_purgers: tuple[ScopePurger, ...] = ()
+    #: Run after a purge's deletions, before it counts as done: make deleted bytes leave storage
+    #: that keeps them (a SeaweedFS volume vacuum). Reported in ``PurgeReport.compacted``.
+    compactors: tuple[Compactor, ...] = ()
     clock: Callable[[], float] = time.monotonic
     #: Also told of every refusal and mitigation the gate counts (a daemon's metrics).
     on_count: Callable[[str, int], None] | None = None
@@ -275,15 +279,25 @@ class KVCache:
         scope succeeds and removes nothing. A crash leaves the journal entry, and the next
         KVCache resumes it.
         """
+        # Sizes first (INVALID_ARGUMENT, nothing done): an action runs only if it can be audited in full.
+        check_sizes(target=scope if isinstance(scope, str) else str(scope), reason=reason)
         target = self.resolve_scope(actor, scope)
         domain = self.gate.require_purge(actor, target)
         audit = self.policy.audit
         if audit is not None:
             audit.append(actor.id, "purge.start", str(target), domain=domain.hex(), reason=reason)
-        report = self._purge_domain(domain, actor.id, scope_name=str(target))
+        try:
+            report = self._purge_domain(domain, actor.id, scope_name=str(target))
+        except Exception as exc:
+            # Every purge.start ends in purge.done or purge.failed (a crash ends in purge.resume +
+            # purge.done on the next start, from the journal).
+            if audit is not None:
+                audit.append(actor.id, "purge.failed", str(target), domain=domain.hex(), error=type(exc).__name__,
+                             pending=domain.hex() in {e.domain for e in self.journal.pending()})
+            raise
         if audit is not None:
             audit.append(actor.id, "purge.done", str(target), domain=domain.hex(), removed=report.removed,
-                         keys_destroyed=report.keys_destroyed, resumed=report.resumed)
+                         keys_destroyed=report.keys_destroyed, resumed=report.resumed, compacted=report.compacted)
         return report
 
     def resume_purges(self) -> list[PurgeReport]:
@@ -293,7 +307,13 @@ class KVCache:
             domain = ScopeDomain(bytes.fromhex(entry.domain))
             if self.policy.audit is not None:
                 self.policy.audit.append(entry.actor, "purge.resume", entry.domain, domain=entry.domain)
-            report = self._purge_domain(domain, entry.actor, scope_name=None)
+            try:
+                report = self._purge_domain(domain, entry.actor, scope_name=None)
+            except Exception as exc:
+                if self.policy.audit is not None:
+                    self.policy.audit.append(entry.actor, "purge.failed", entry.domain, domain=entry.domain,
+                                             error=type(exc).__name__, pending=True)
+                raise
             if self.policy.audit is not None:
                 self.policy.audit.append(entry.actor, "purge.done", entry.domain, domain=entry.domain,
                                          removed=report.removed, keys_destroyed=report.keys_destroyed, resumed=True)
@@ -315,8 +335,11 @@ class KVCache:
                 self.journal.progress(entry)
             if keyring is not None:
                 entry.keys_destroyed += keyring.destroy(domain)
+            # Deleted objects and keys may still sit in storage files (volumes) until compacted:
+            # the purge is done only once they are gone (a failure leaves it journaled).
+            compacted = {c.name: c.compact() for c in self.options.compactors}
             self.journal.finish(entry)
-        return PurgeReport(domain.hex(), dict(entry.removed), entry.keys_destroyed, resumed, scope_name)
+        return PurgeReport(domain.hex(), dict(entry.removed), entry.keys_destroyed, resumed, scope_name, compacted)
 
     def remaining(self, actor: Principal, scope: Scope | ScopeKind | str) -> dict[str, int]:
         """What is left of a scope in every holder (keys listed from the tiers' own storage) and
@@ -335,6 +358,9 @@ class KVCache:
         relative to the principal (``public``, ``org``, ``user``, ``session``)."""
         self.policy.require_active(principal)
         readable = self.gate.readable(principal)
+        visible = self.gate.visible_domains(principal)  # the gate's rule (public usage under mitigations)
+        if visible is not None:
+            readable = {d: s for d, s in readable.items() if d in visible}
         if scope is not None:
             target = principal.own_scope(scope)
             self.gate.require_scope(principal, target)

@@ -15,6 +15,7 @@ from kvtier.keys import (
     BlockKey,
     ScopeDomain,
 )
+from kvtier.security.secrets import private_dir
 
 
 # =================================================================================================
@@ -30,6 +31,16 @@ class ScopePurger(Protocol):
     def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]: ...
 
 
+class Compactor(Protocol):
+    """Something that makes a purge's deletions final in storage that keeps deleted bytes (a
+    SeaweedFS volume vacuum). ``compact`` returns a short description for the report and raises
+    TierUnavailable when it cannot (the purge then stays journaled and is resumed)."""
+
+    name: str
+
+    def compact(self) -> str: ...
+
+
 @dataclass(slots=True, frozen=True)
 class PurgeReport:
     """What a purge removed: blocks per tier (and per extra purger) and data keys destroyed.
@@ -42,6 +53,8 @@ class PurgeReport:
     keys_destroyed: int
     resumed: bool
     scope: str | None = None
+    #: What each compactor did after the deletions (``{"seaweedfs_vacuum": "vacuumed (1 rounds)"}``).
+    compacted: dict[str, str] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -72,7 +85,7 @@ class PurgeJournal:
         self._mem: dict[str, _JournalEntry] = {}
         self._lock = threading.Lock()
         if self.path is not None:
-            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dir(self.path)  # 0700 (and its files 0600) whatever the umask
             for f in self.path.glob("*.purge"):
                 self._mem[f.stem] = _load_entry(f)
 

@@ -22,7 +22,13 @@ from kvtier.errors import ConfigError
 from kvtier.security.audit import AuditLog
 from kvtier.security.keyring import KeyRing
 from kvtier.security.master_keys import FileKeyProvider, KeyProvider, key_provider, write_master_key
-from kvtier.security.wrapped_keys import LmdbWrappedKeyStore, MirroredKeyStore, WrappedKeyStore
+from kvtier.security.wrapped_keys import (
+    SLOT_FILE,
+    LmdbWrappedKeyStore,
+    MirroredKeyStore,
+    SlotFileKeyStore,
+    WrappedKeyStore,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,19 +69,30 @@ def _rewrap(args: argparse.Namespace) -> int:
         raise ConfigError("keys rewrap: name the key store with --key-store or --config")
     if not Path(path).is_dir():
         raise ConfigError(f"keys rewrap: key store {path} does not exist")
-    primary = LmdbWrappedKeyStore(path)
+    # The store as the daemon left it: slots, or an LMDB store a daemon has not imported yet.
+    primary: LmdbWrappedKeyStore | SlotFileKeyStore
+    if (Path(path) / "data.mdb").exists() and not (Path(path) / SLOT_FILE).exists():
+        primary = LmdbWrappedKeyStore(path)
+    else:
+        primary = SlotFileKeyStore(path)
     closers = [primary.close]
     store: WrappedKeyStore = primary
     try:
         if config is not None and config.tiers.remote is not None:
-            from kvtier.server.backend import s3_config
+            from kvtier.keys import DomainDeriver
+            from kvtier.server.backend import mirror_auth_key, read_server_secret, s3_config
             from storage_backends.s3_keys import S3WrappedKeyStore
 
-            mirror = S3WrappedKeyStore(s3_config(config))
+            deriver = DomainDeriver(read_server_secret(config.security.server_secret_file))
+            mirror = S3WrappedKeyStore(s3_config(config), auth_key=mirror_auth_key(deriver))
             closers.append(mirror.close)
             store = MirroredKeyStore(primary, mirror)
         ring = KeyRing(new, store, previous=[old])
         n = ring.rewrap()
+        if isinstance(store, MirroredKeyStore):
+            # Every local key again, in the mirror's authenticated format (keys mirrored by an
+            # earlier release carry no tag and are refused by the other nodes until rewritten).
+            print(f"re-mirrored {store.remirror()} data keys to the remote tier")
         left = sum(1 for k in primary.all_wrapped() if k.kek_id != new.kek_id)
         print(f"rewrapped {n} data keys under {new.kek_id}; {left} left under other master keys")
         if isinstance(store, MirroredKeyStore) and store.pending:

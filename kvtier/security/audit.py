@@ -22,10 +22,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import CorruptRecord
+from kvtier.errors import CorruptRecord, InvalidRequest
 
 GENESIS = "0" * 64
 _MAX_LINE = 64 << 10
+#: Longest free-text reason an action may carry (purge, revoke, grant); checked before acting.
+MAX_REASON_CHARS = 1024
+#: Longest target (scope name, revocation target) an audited action may name; checked before acting.
+MAX_TARGET_CHARS = 512
+
+
+def check_sizes(*, target: str | None = None, reason: str | None = None) -> None:
+    """Refuse (InvalidRequest, INVALID_ARGUMENT on the wire) a target or reason too large to be
+    audited, *before* the action runs: every action that runs must be audited in full, so one
+    whose audit record could not be written must not start. The message quotes neither value."""
+    if target is not None and (not isinstance(target, str) or len(target) > MAX_TARGET_CHARS):
+        raise InvalidRequest(f"target/scope name longer than {MAX_TARGET_CHARS} characters")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
+        raise InvalidRequest(f"reason longer than {MAX_REASON_CHARS} characters")
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +92,7 @@ class AuditLog:
         self._clock = clock
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(self._fd, 0o600)  # a log created earlier under a looser rule is tightened too
         self._size = -1
         self._tail: tuple[int, str] = (0, GENESIS)
         with self._locked():
@@ -97,7 +112,7 @@ class AuditLog:
             line = json.dumps(body | {"prev": prev, "digest": digest}, sort_keys=True, separators=(",", ":"))
             data = (line + "\n").encode()
             if len(data) > _MAX_LINE:
-                raise ValueError("audit event too large")
+                raise InvalidRequest("audit event too large")
             os.write(self._fd, data)
             os.fsync(self._fd)
             self._size = os.fstat(self._fd).st_size

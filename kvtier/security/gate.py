@@ -15,7 +15,9 @@ where a step says it reads the store):
 - write:         ``writable(p, domains)`` -> which domains to store (False: a shared scope the
                  principal may read but not publish: skipped, not refused).
 - delete:        ``require_delete(p, domains)``.  list: ``require_list(p, domain)``.
-- purge:         ``require_purge(actor, scope)``.  stats: ``visible_domains(p)``.
+- purge:         ``require_purge(actor, scope)``.  stats: ``visible_domains(p)``, ``sees_totals(p)``.
+- write answers:  ``reveals_presence(p)``: may a write say "already present" rather than "stored".
+- streams:       ``require_still_active(p)`` before every message of a read stream.
 
 Rules (docs/security.md): a key's scope domain is its routing prefix, never a field a caller
 supplies; a principal reads the domains of its own readable scopes; a revoked principal is
@@ -182,12 +184,49 @@ class AccessGate:
                 raise AccessDenied(f"delete in this scope refused for principal {p.id}")
 
     def require_list(self, p: Principal, domain: ScopeDomain) -> Scope:
+        """Listing a scope says which of its blocks are cached, all at once, with no miss counted:
+        the principal's own readable scope; and while any timing mitigation is on, the public
+        scope only for those who may write it (``publish:public``) or operators, since for
+        everyone else a lookup of a short public prefix is hidden and misses are rate-limited."""
         self.policy.require_active(p)
         scope = self.readable(p).get(domain)
         if scope is None:
             self._count("denied", 1)
             raise AccessDenied(f"listing this scope refused for principal {p.id}")
+        if (scope.kind is ScopeKind.PUBLIC and self.mitigations_on() and ROLE_OPERATOR not in p.roles
+                and not self.policy.may_write(p, scope)):
+            self._count("public_list_refused", 1)
+            raise AccessDenied("listing the public scope needs the publish:public role (or operator) while the "
+                               "timing mitigations are on")
         return scope
+
+    def mitigations_on(self) -> bool:
+        """Whether any timing mitigation is configured (the minimum public prefix or the miss limit)."""
+        m = self.guard.mitigations
+        return m.min_public_prefix_blocks > 0 or m.miss_limit is not None
+
+    def reveals_presence(self, p: Principal, n: int = 1) -> bool:
+        """Whether a write's answer may tell "already present" from "stored now". Not while the
+        timing mitigations are on: a publisher would learn which shared blocks someone cached, so
+        every accepted block is answered as stored (``n`` such answers counted as hidden)."""
+        if not self.mitigations_on():
+            return True
+        if n:
+            self._count("put_presence_hidden", n)
+        return False
+
+    def require_still_active(self, p: Principal) -> None:
+        """Re-checked before every message of a read stream: a stream opened before a revocation
+        ends (PERMISSION_DENIED) at its next message."""
+        if not self.policy.is_active(p):
+            self._count("revoked_mid_stream", 1)
+            raise AccessDenied(f"principal {p.id} was revoked while its stream was open")
+
+    def sees_totals(self, p: Principal) -> bool:
+        """Tier-wide totals (blocks, bytes, hit/miss and traffic counters, server call counts) are
+        everyone's usage together: operators only. Others see their own scopes' usage."""
+        self.policy.require_active(p)
+        return ROLE_OPERATOR in p.roles
 
     def require_purge(self, actor: Principal, scope: Scope) -> ScopeDomain:
         try:
@@ -199,9 +238,16 @@ class AccessGate:
 
     def visible_domains(self, p: Principal) -> dict[ScopeDomain, Scope] | None:
         """The domains whose usage ``p`` may see: its own readable ones; None (every domain, as
-        opaque ids) for operators."""
+        opaque ids) for operators. While a timing mitigation is on, the public scope's usage only
+        to those who may write it (its growth would say that someone cached a public prefix)."""
         self.policy.require_active(p)
-        return None if ROLE_OPERATOR in p.roles else self.readable(p)
+        if ROLE_OPERATOR in p.roles:
+            return None
+        readable = self.readable(p)
+        if self.mitigations_on():
+            readable = {d: s for d, s in readable.items()
+                        if s.kind is not ScopeKind.PUBLIC or self.policy.may_write(p, s)}
+        return readable
 
     # -- internals --------------------------------------------------------------------------------
     def _usable(self, keys: Sequence[BlockKey], readable: dict[ScopeDomain, Scope]) -> int:

@@ -110,6 +110,11 @@ class KeyRing:
         # Bumped by destroy(): an unwrap that started before it must not cache a shredded key.
         self._epochs: Counter[ScopeDomain] = Counter()
         self.counters: Counter[str] = Counter()
+        adopt = getattr(store, "adopt_keks", False)
+        if adopt is None or isinstance(adopt, frozenset):
+            # A mirrored store copies keys of other nodes into the local one: only keys this ring
+            # can unwrap, so a key planted or wrapped elsewhere never stops the next start.
+            store.adopt_keks = frozenset(self._providers)  # type: ignore[attr-defined]
         self._check_master_keys()
         _RINGS.add(self)
 

@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from kvtier.errors import AccessDenied, ScopeError
 from kvtier.keys import PUBLIC, DomainDeriver, Scope, ScopeDomain, ScopeKind
-from kvtier.security.audit import AuditLog
+from kvtier.security.audit import AuditLog, check_sizes
 
 #: Roles that widen what a principal may write or delete.
 ROLE_PUBLISH_PUBLIC = "publish:public"
@@ -174,6 +174,9 @@ class RevocationChange:
     origin: str
     actor: str
     reason: str = ""
+    #: Who made it, as a role (``operator``, ``admin``, ``""``): a revocation may be lifted only
+    #: with at least the authority that made it (REVOKE_RULES in kvtier/server/service.py).
+    authority: str = ROLE_OPERATOR
 
     @property
     def stamp(self) -> tuple[float, str]:
@@ -209,6 +212,11 @@ class Policy:
         self._clock = clock
         self._revoked: set[str] = set()
         self._stamps: dict[str, tuple[float, str]] = {}
+        self._authority: dict[str, str] = {}
+        # Fail-closed holds from a revocation feed with a gap (set_holds): target ids refused, or all.
+        self._holds: frozenset[str] = frozenset()
+        self._hold_all = False
+        self._target_id: Callable[[str], str] | None = None
         self._lock = threading.Lock()
         self._domains: dict[Scope, ScopeDomain] = {}
         if audit is not None:
@@ -217,17 +225,40 @@ class Policy:
             for ev in audit.events():
                 if ev.action in ("revoke", "grant"):
                     stamp = (float(ev.detail.get("origin_at", ev.at)), str(ev.detail.get("origin", "")))
-                    self._apply(ev.target, ev.action == "revoke", stamp)
+                    # Records from before authorities were recorded count as an operator's.
+                    self._apply(ev.target, ev.action == "revoke", stamp,
+                                str(ev.detail.get("authority", ROLE_OPERATOR)))
 
     # -- decisions --------------------------------------------------------------------------------
     def is_active(self, p: Principal) -> bool:
         with self._lock:
-            if not self._revoked:
+            if self._hold_all and ROLE_OPERATOR not in p.roles:
+                return False
+            if not self._revoked and not self._holds:
                 return True
             targets = {_PRINCIPAL + p.id, _TENANT + p.tenant}
             if p.credential_id is not None:
                 targets.add(_CREDENTIAL + p.credential_id)
-            return self._revoked.isdisjoint(targets)
+            if not self._revoked.isdisjoint(targets):
+                return False
+            if self._holds and self._target_id is not None:
+                return self._holds.isdisjoint({self._target_id(t) for t in targets})
+            return True
+
+    def set_holds(self, holds: frozenset[str], hold_all: bool, target_id: Callable[[str], str] | None) -> None:
+        """Fail closed while the revocation feed has a gap: refuse every principal one of whose
+        targets (principal, tenant, credential) has an id in ``holds`` (``target_id`` maps a
+        typed target to its id), or, with ``hold_all``, every principal but operators (who can
+        still inspect and resolve). Replaced by the next call; not persisted (a restart re-reads
+        the feed and finds the gaps that are still there)."""
+        with self._lock:
+            self._holds = frozenset(holds)
+            self._hold_all = bool(hold_all)
+            self._target_id = target_id
+
+    def holds(self) -> tuple[frozenset[str], bool]:
+        with self._lock:
+            return self._holds, self._hold_all
 
     _active = is_active  # the skeleton's name
 
@@ -272,25 +303,38 @@ class Policy:
         return {self.domain(s): s for s in p.readable_scopes()}
 
     # -- grants -----------------------------------------------------------------------------------
-    def revoke(self, principal_id: str, *, actor: str = "system", reason: str = "") -> None:
+    # ``authority`` is the role the change is made with (the daemon passes the caller's; a direct
+    # call is the process owner's, an operator's). It is recorded with the change.
+    def revoke(self, principal_id: str, *, actor: str = "system", reason: str = "",
+               authority: str = ROLE_OPERATOR) -> None:
         """Refuse every further call of principal ``<tenant>/<user>`` until ``grant``."""
-        self._set(_PRINCIPAL + _principal_id(principal_id), True, actor, reason)
+        self._set(_PRINCIPAL + _principal_id(principal_id), True, actor, reason, authority)
 
-    def grant(self, principal_id: str, *, actor: str = "system", reason: str = "") -> None:
+    def grant(self, principal_id: str, *, actor: str = "system", reason: str = "",
+              authority: str = ROLE_OPERATOR) -> None:
         """Lift a revocation of ``<tenant>/<user>`` (principals are allowed unless revoked)."""
-        self._set(_PRINCIPAL + _principal_id(principal_id), False, actor, reason)
+        self._set(_PRINCIPAL + _principal_id(principal_id), False, actor, reason, authority)
 
-    def revoke_tenant(self, tenant: str, *, actor: str = "system", reason: str = "") -> None:
+    def revoke_tenant(self, tenant: str, *, actor: str = "system", reason: str = "",
+                      authority: str = ROLE_OPERATOR) -> None:
         _check_id("tenant", tenant)
-        self._set(_TENANT + tenant, True, actor, reason)
+        self._set(_TENANT + tenant, True, actor, reason, authority)
 
-    def grant_tenant(self, tenant: str, *, actor: str = "system", reason: str = "") -> None:
+    def grant_tenant(self, tenant: str, *, actor: str = "system", reason: str = "",
+                     authority: str = ROLE_OPERATOR) -> None:
         _check_id("tenant", tenant)
-        self._set(_TENANT + tenant, False, actor, reason)
+        self._set(_TENANT + tenant, False, actor, reason, authority)
 
-    def revoke_credential(self, credential_id: str, *, actor: str = "system", reason: str = "") -> None:
+    def revoke_credential(self, credential_id: str, *, actor: str = "system", reason: str = "",
+                          authority: str = ROLE_OPERATOR) -> None:
         _check_id("credential_id", credential_id)
-        self._set(_CREDENTIAL + credential_id, True, actor, reason)
+        self._set(_CREDENTIAL + credential_id, True, actor, reason, authority)
+
+    def revocation_authority(self, target: str) -> str | None:
+        """The authority of the revocation now in force on a typed target (``principal:acme/alice``,
+        ``tenant:acme``, ``credential:<id>``); None when it is not revoked."""
+        with self._lock:
+            return self._authority.get(target, ROLE_OPERATOR) if target in self._revoked else None
 
     def revocations(self) -> frozenset[str]:
         with self._lock:
@@ -304,29 +348,39 @@ class Policy:
                 return False
             if self.audit is not None:
                 self.audit.append(change.actor, "revoke" if change.revoked else "grant", change.target,
-                                  reason=change.reason, origin=change.origin, origin_at=change.at)
-            self._apply(change.target, change.revoked, change.stamp)
+                                  reason=change.reason, origin=change.origin, origin_at=change.at,
+                                  **_authority_detail(change.authority))
+            self._apply(change.target, change.revoked, change.stamp, change.authority)
             return True
 
-    def _set(self, target: str, revoked: bool, actor: str, reason: str) -> None:
+    def _set(self, target: str, revoked: bool, actor: str, reason: str, authority: str = ROLE_OPERATOR) -> None:
+        check_sizes(target=target, reason=reason)  # before anything: the change must be auditable in full
         with self._lock:
             # Strictly after the target's last stamp, even if the clock stepped back or did not move.
             last = self._stamps.get(target)
             at = self._clock() if last is None else max(self._clock(), last[0] + 1e-6)
-            change = RevocationChange(target, revoked, at, self.node, actor, reason)
+            change = RevocationChange(target, revoked, at, self.node, actor, reason, authority)
             if self.audit is not None:
                 self.audit.append(actor, "revoke" if revoked else "grant", target, reason=reason,
-                                  origin=self.node, origin_at=at)
-            self._apply(target, revoked, change.stamp)
+                                  origin=self.node, origin_at=at, **_authority_detail(authority))
+            self._apply(target, revoked, change.stamp, authority)
         if self.on_change is not None:
             self.on_change(change)
 
-    def _apply(self, target: str, revoked: bool, stamp: tuple[float, str]) -> None:
+    def _apply(self, target: str, revoked: bool, stamp: tuple[float, str], authority: str = ROLE_OPERATOR) -> None:
         self._stamps[target] = stamp
         if revoked:
             self._revoked.add(target)
+            self._authority[target] = authority
         else:
             self._revoked.discard(target)
+            self._authority.pop(target, None)
+
+
+def _authority_detail(authority: str) -> dict[str, str]:
+    """The audit detail of a change's authority: recorded unless it is an operator's (the default
+    a record without one is replayed as)."""
+    return {} if authority == ROLE_OPERATOR else {"authority": authority}
 
 
 def _principal_id(principal_id: str) -> str:

@@ -6,7 +6,10 @@ with TierUnavailable saying so (the change stands on this node; repeating the ca
 A change from the feed applies through ``Policy.apply_remote`` (last writer wins per target,
 recorded in the audit log), so every node converges whatever order it reads changes in. A feed
 that cannot be read is retried on the next tick and counted; records that fail verification
-are refused and counted. Nodes without a remote tier have no feed: revocations reach them at
+are refused and counted. Each tick also puts back this node's own records if they disappeared
+(``maintain``), and hands the feed's gaps to the policy (``Policy.set_holds``): a target whose
+record is missing is refused until the record is read, so a deleted revocation is delayed,
+never silently lost. Nodes without a remote tier have no feed: revocations reach them at
 restart, as documented.
 """
 
@@ -36,6 +39,10 @@ class RevocationFeed(Protocol):
 class FeedReadLike(Protocol):
     changes: list[RevocationChange]
     rejected: list[str]
+    #: Target ids to refuse until their missing records are read; ``hold_all``: everyone but operators.
+    holds: frozenset[str]
+    hold_all: bool
+    problems: dict[str, int]
 
 
 class RevocationSync:
@@ -54,6 +61,8 @@ class RevocationSync:
         self.feed = feed
         self.interval_s = interval_s
         self.counts: Counter[str] = Counter()
+        #: Current holds (gauges): targets held, and whether everyone but operators is held.
+        self.held: dict[str, int] = {"held_targets": 0, "holding_all": 0}
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._stop = threading.Event()
@@ -66,7 +75,7 @@ class RevocationSync:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.counts)
+            return dict(self.counts) | {k: v for k, v in self.held.items() if v}
 
     def publish(self, change: RevocationChange) -> None:
         """``Policy.on_change``: share a change made here."""
@@ -76,12 +85,23 @@ class RevocationSync:
         except TierUnavailable as exc:
             self._count("publish_errors")
             raise TierUnavailable(f"the {what} of {change.target} applies on this node but was not published to "
-                                  f"the other nodes ({exc}); repeat the call, it is idempotent") from exc
+                                  f"the other nodes yet ({exc}); it is retried every sync interval, and "
+                                  "repeating the call is safe") from exc
         self._count("published")
 
     def sync_once(self) -> int:
         """Read the feed and apply what other nodes changed; returns how many changes took effect."""
         with self._read_lock:
+            maintain = getattr(self.feed, "maintain", None)
+            if maintain is not None:
+                try:
+                    repaired = maintain()  # this node's own records and head, put back if removed
+                except TierUnavailable:
+                    repaired = 0
+                if repaired:
+                    self._count("repaired", repaired)
+                    log.warning("revocation feed objects of this node were missing and were put back",
+                                extra={"event": "revocation_sync", "repaired": repaired})
             try:
                 got = self.feed.read_new()
             except TierUnavailable as exc:
@@ -104,7 +124,25 @@ class RevocationSync:
                 else:
                     self._count("stale")
             self._count("applied", applied)
+            self._hold(got)
             return applied
+
+    def _hold(self, got: FeedReadLike) -> None:
+        """Fail closed on gaps: the policy refuses the targets whose records are missing (or
+        everyone but operators when the missing target cannot be known) until they are read."""
+        holds = getattr(got, "holds", frozenset())
+        hold_all = bool(getattr(got, "hold_all", False))
+        before = self.policy.holds()
+        self.policy.set_holds(holds, hold_all, getattr(self.feed, "target_id", None))
+        with self._lock:
+            self.held = {"held_targets": len(holds), "holding_all": int(hold_all)}
+        problems = getattr(got, "problems", {}) or {}
+        for what, n in problems.items():
+            self._count(f"gap_{what}", n)
+        if (holds, hold_all) != before:
+            log.warning("revocation feed gap: holding targets until their records are read",
+                        extra={"event": "revocation_gap", "held_targets": len(holds), "holding_all": hold_all,
+                               "problems": problems})
 
     def start(self) -> RevocationSync:
         assert self._thread is None, "started twice"

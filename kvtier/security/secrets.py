@@ -64,3 +64,43 @@ def _read(path: str | os.PathLike[str], what: str, *, secret: bool, allow_group_
         raise ConfigError(f"{what}: cannot read {p} ({exc.strerror})") from None
     finally:
         os.close(fd)
+
+
+# -- private data directories ---------------------------------------------------------------------
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_dir(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` (and missing parents) and make it 0700, whatever the umask, and tighten
+    every file and directory already in it to 0600/0700: data directories (LMDB, key stores, the
+    purge journal, SeaweedFS) hold ciphertext, wrapped keys and metadata, and a process umask of
+    022 must not make them world-readable. Symlinks are left alone (never followed), and so is
+    anything another user owns (a mount point: chmod would fail)."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    _tighten(p, PRIVATE_DIR_MODE)
+    for root, dirs, files in os.walk(p):
+        for d in dirs:
+            _tighten(Path(root, d), PRIVATE_DIR_MODE)
+        for f in files:
+            _tighten(Path(root, f), PRIVATE_FILE_MODE)
+    return p
+
+
+def private_file(path: str | os.PathLike[str]) -> None:
+    """Tighten an existing file to 0600 (created by a library that does not take a mode)."""
+    p = Path(path)
+    if p.is_file():
+        _tighten(p, PRIVATE_FILE_MODE)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    try:
+        if path.is_symlink():
+            return
+        st = path.stat()
+        if stat.S_IMODE(st.st_mode) != mode and st.st_uid == os.geteuid():
+            os.chmod(path, mode)
+    except FileNotFoundError:
+        pass  # removed meanwhile (a temporary file)

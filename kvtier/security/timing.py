@@ -24,7 +24,8 @@ from kvtier.store.tiered_store import TieredStore
 # Timing mitigations
 # =================================================================================================
 #: What the timing mitigations count (through the gate's counter), as opposed to access refusals.
-TIMING_COUNTS = frozenset({"rate_limited", "public_probe_hidden", "public_hit_suppressed", "public_key_get_hidden"})
+TIMING_COUNTS = frozenset({"rate_limited", "public_probe_hidden", "public_hit_suppressed", "public_key_get_hidden",
+                           "public_list_refused", "put_presence_hidden"})
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,6 +17,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import math
 import os
 import time
 from abc import ABC, abstractmethod
@@ -165,9 +166,13 @@ def mint(key: SigningKey, request: MintRequest, *, now: float | None = None) -> 
     means every scope the principal has.
     """
     p = request.principal
-    if request.ttl_s <= 0:
-        raise ValueError("token ttl_s must be positive")
+    if not _finite(request.ttl_s) or request.ttl_s <= 0:
+        raise ValueError("token ttl_s must be a positive, finite number of seconds")
     iat = time.time() if now is None else now
+    if not _finite(iat):
+        raise ValueError("token issue time must be a finite number (check the clock)")
+    if not _finite(iat + request.ttl_s):
+        raise ValueError("token expiry must be a finite number")
     kinds = None
     if request.scopes is not None:
         kinds = sorted({_scope_kind(s).name.lower() for s in request.scopes})
@@ -181,6 +186,11 @@ def mint(key: SigningKey, request: MintRequest, *, now: float | None = None) -> 
     body = _b64e(json.dumps(claims, separators=(",", ":"), sort_keys=True).encode())
     signed = f"{PREFIX}.{body}"
     return f"{signed}.{_b64e(key.sign(signed.encode()))}"
+
+
+def _finite(x: object) -> bool:
+    """A real, finite number (bools, NaN and infinities are not)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _scope_kind(name: str) -> ScopeKind:
@@ -208,6 +218,10 @@ class TokenVerifier:
         self._keys: Mapping[str, VerifyKey] = {k.kid: k for k in keys}
         if not self._keys:
             raise ValueError("TokenVerifier needs at least one key")
+        if not _finite(leeway_s) or leeway_s < 0:
+            raise ValueError("TokenVerifier leeway_s must be a finite number >= 0")
+        if not _finite(max_lifetime_s) or max_lifetime_s <= 0:
+            raise ValueError("TokenVerifier max_lifetime_s must be a positive, finite number")
         self.audience = audience
         self.leeway_s = leeway_s
         self.max_lifetime_s = max_lifetime_s
@@ -240,9 +254,15 @@ class TokenVerifier:
 
     def _claims(self, c: dict[str, Any]) -> TokenClaims:
         now = self._clock()
+        # Every comparison below is false for NaN, so a non-finite number anywhere (a claim, or
+        # the clock) would fail open: refuse it before comparing.
+        if not _finite(now):
+            raise AuthError("the verifier's clock is not a finite number; refusing every token")
         iat, exp = c.get("iat"), c.get("exp")
-        if not isinstance(iat, int | float) or not isinstance(exp, int | float) or isinstance(iat, bool):
+        if not _finite(iat) or not _finite(exp):
             raise AuthError("token has no valid iat/exp")
+        if exp < iat:
+            raise AuthError("token expires before it was issued")
         if exp <= now - self.leeway_s:
             raise AuthError("token has expired")
         if iat > now + self.leeway_s:

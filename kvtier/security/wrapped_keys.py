@@ -17,6 +17,7 @@ from kvtier.durable import fsync_dir
 from kvtier.errors import CorruptRecord, TierUnavailable
 from kvtier.keys import DOMAIN_BYTES, ScopeDomain
 from kvtier.security.master_keys import DEK_ID_BYTES
+from kvtier.security.secrets import private_dir, private_file
 
 WRAPPED_KEY_VERSION = 1
 _KEYS_MAP = 8 << 20
@@ -86,10 +87,11 @@ class LmdbWrappedKeyStore:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, sync: bool = True) -> None:
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = private_dir(path)  # 0700 (and its files 0600) whatever the umask
         self.env = lmdb.open(str(self.path), map_size=_KEYS_MAP, max_dbs=2, sync=sync, metasync=sync,
-                             readahead=False, lock=True)
+                             readahead=False, lock=True, mode=0o600)
+        for f in ("data.mdb", "lock.mdb"):
+            private_file(self.path / f)
         self._db = self.env.open_db(b"keys")
         self._lock = threading.Lock()
 
@@ -151,8 +153,7 @@ class FileWrappedKeyStore:
     atomically (temp file, fsync, rename, fsync of the directory)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = private_dir(path)
 
     def _file(self, key: WrappedKey) -> Path:
         return self.path / f"{key.domain.hex()}.{key.dek_id.hex()}.key"
@@ -201,6 +202,11 @@ class MirroredKeyStore:
         self._lock = threading.Lock()
         self.pending: dict[bytes, WrappedKey] = {}
         self.errors: Counter[str] = Counter()
+        #: Master-key ids a key from the mirror must be wrapped under to be copied into the
+        #: primary (set by the KeyRing: its own and previous keys). A key under another id is
+        #: still handed to the ring (which counts it as a miss) but never persisted locally, so
+        #: it cannot stop this node's next start. None: copy every verified key.
+        self.adopt_keks: frozenset[str] | None = None
 
     def put_wrapped(self, key: WrappedKey) -> None:
         self.primary.put_wrapped(key)
@@ -232,9 +238,22 @@ class MirroredKeyStore:
         have = {k.dek_id for k in local}
         for k in remote:
             if k.dek_id not in have:
-                self.primary.put_wrapped(k)
+                if self.adopt_keks is None or k.kek_id in self.adopt_keks:
+                    self.primary.put_wrapped(k)
+                else:
+                    with self._lock:
+                        self.errors["mirror_unknown_master_key"] += 1
                 local.append(k)
         return local
+
+    def remirror(self) -> int:
+        """Write every local key to the mirror again (in the mirror's current, authenticated
+        format: what ``kvtier keys rewrap`` does after an upgrade); returns how many."""
+        n = 0
+        for k in list(self.primary.all_wrapped()):
+            self.mirror.put_wrapped(k)
+            n += 1
+        return n
 
     def delete_domain(self, domain: ScopeDomain) -> int:
         n = self.primary.delete_domain(domain)
@@ -245,3 +264,157 @@ class MirroredKeyStore:
 
     def all_wrapped(self) -> Iterator[WrappedKey]:
         return self.primary.all_wrapped()
+
+
+# =================================================================================================
+# A key store whose deletions are real
+# =================================================================================================
+SLOT_BYTES = 1024
+_SLOT_MAGIC = b"KS"
+SLOT_FILE = "wrapped.keys"
+
+
+class SlotFileKeyStore:
+    """Wrapped DEKs in one file of fixed-size slots, ``<dir>/wrapped.keys`` (0600): a key is
+    written into a slot in place, and deleting it overwrites the whole slot with zeros and
+    fsyncs before returning.
+
+    Why: a purge's promise rests on destroying the scope's DEKs. LMDB (the earlier store) is
+    copy-on-write: a deleted key stays in a freed page until the page is reused, so someone who
+    later had the master key and a copy of the file could unwrap it and decrypt every record of
+    the purged scope. Overwriting a slot in place leaves no copy in the file. It does not reach
+    below the file system: a copy-on-write file system (btrfs, ZFS), snapshots, backups, or an
+    SSD's remapping can keep the old block (docs/security.md, 2.6).
+
+    Slot layout: ``b"KS" || length (2 bytes, big-endian) || WrappedKey.encode() || zeros``; an
+    all-zero slot is free and reused. An existing LMDB key store in the same directory (from an
+    earlier release) is imported on open and then scrubbed (its files overwritten with zeros,
+    fsynced and removed). One process opens a directory at a time (the daemon, or ``kvtier keys
+    rewrap`` while the daemon is stopped). Invariants (under ``_lock``): ``_slots`` maps each
+    stored key's name to its slot and ``_keys`` to its decoded value; ``_free`` lists zeroed slots.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, sync: bool = True) -> None:
+        self.path = private_dir(path)
+        self.sync = sync
+        self._lock = threading.Lock()
+        self._file = self.path / SLOT_FILE
+        created = not self._file.exists()
+        self._fd = os.open(self._file, os.O_RDWR | os.O_CREAT, 0o600)
+        os.fchmod(self._fd, 0o600)
+        if created:
+            fsync_dir(self.path)
+        self._slots: dict[bytes, int] = {}
+        self._keys: dict[bytes, WrappedKey] = {}
+        self._free: list[int] = []
+        self._n = 0
+        self._load()
+        if (self.path / "data.mdb").exists():
+            self._import_lmdb()
+
+    # -- protocol -------------------------------------------------------------------------------------
+    def put_wrapped(self, key: WrappedKey) -> None:
+        raw = key.encode()
+        if len(raw) > SLOT_BYTES - 4:
+            raise ValueError(f"wrapped key record of {len(raw)} bytes does not fit a {SLOT_BYTES}-byte slot")
+        slot = _SLOT_MAGIC + len(raw).to_bytes(2, "big") + raw
+        with self._lock:
+            i = self._slots.get(key.name)
+            if i is None:
+                i = self._free.pop() if self._free else self._n
+                self._n = max(self._n, i + 1)
+            self._write(i, slot.ljust(SLOT_BYTES, b"\0"))
+            self._slots[key.name] = i
+            self._keys[key.name] = key
+
+    def wrapped_for(self, domain: ScopeDomain) -> list[WrappedKey]:
+        with self._lock:
+            return [k for name, k in sorted(self._keys.items()) if name[:DOMAIN_BYTES] == domain]
+
+    def delete_domain(self, domain: ScopeDomain) -> int:
+        """Overwrite every slot of ``domain`` with zeros (fsynced): the keys are gone from the file."""
+        with self._lock:
+            names = [n for n in self._slots if n[:DOMAIN_BYTES] == domain]
+            for n in names:
+                i = self._slots.pop(n)
+                del self._keys[n]
+                os.pwrite(self._fd, bytes(SLOT_BYTES), i * SLOT_BYTES)
+                self._free.append(i)
+            if names:
+                os.fsync(self._fd)
+            return len(names)
+
+    def all_wrapped(self) -> Iterator[WrappedKey]:
+        with self._lock:
+            keys = [k for _, k in sorted(self._keys.items())]
+        yield from keys
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._keys)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _write(self, i: int, data: bytes) -> None:
+        os.pwrite(self._fd, data, i * SLOT_BYTES)
+        if self.sync:
+            os.fsync(self._fd)
+
+    def _load(self) -> None:
+        size = os.fstat(self._fd).st_size
+        data = os.pread(self._fd, size, 0) if size else b""
+        self._n = -(-size // SLOT_BYTES)
+        for i in range(self._n):
+            slot = data[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
+            if not slot.startswith(_SLOT_MAGIC):
+                self._free.append(i)  # zeroed (deleted) or torn by a crash before its fsync
+                continue
+            n = int.from_bytes(slot[2:4], "big")
+            try:
+                key = WrappedKey.decode(slot[4 : 4 + n])
+            except CorruptRecord:
+                self._free.append(i)
+                continue
+            self._slots[key.name] = i
+            self._keys[key.name] = key
+        self._free.reverse()
+
+    def _import_lmdb(self) -> None:
+        """Move the keys of an LMDB key store in this directory into slots, then scrub its files."""
+        old = LmdbWrappedKeyStore(self.path)
+        try:
+            keys = list(old.all_wrapped())
+        finally:
+            old.close()
+        for k in keys:
+            self.put_wrapped(k)
+        os.fsync(self._fd)
+        for name in ("data.mdb", "lock.mdb"):
+            scrub_file(self.path / name)
+        fsync_dir(self.path)
+
+
+def scrub_file(path: Path) -> None:
+    """Overwrite a file with zeros in place (fsynced), then remove it."""
+    if not path.exists():
+        return
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        size = os.fstat(fd).st_size
+        zeros = bytes(1 << 20)
+        for off in range(0, size, len(zeros)):
+            os.pwrite(fd, zeros[: min(len(zeros), size - off)], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    path.unlink()
+
+
+def open_key_store(path: str | os.PathLike[str], *, sync: bool = True) -> WrappedKeyStore:
+    """The local key store of a daemon: slots (``SlotFileKeyStore``), importing an earlier LMDB store."""
+    return SlotFileKeyStore(path, sync=sync)

@@ -24,8 +24,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kvtier.errors import AuthError, ConfigError, DeadlineExceeded, InvalidRequest, KvtierError, TierUnavailable
+from kvtier.rpc.names import AUTH_METADATA, SALT_METADATA
 from kvtier.rpc.status import abort_rpc, status_of
 from kvtier.security.policy import Policy, Principal
+from kvtier.security.salts import RequestSalts, SaltMapper, acting_principal
 from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.security.tokens import Ed25519SigningKey, Ed25519VerifyKey, HmacKey, TokenVerifier, VerifyKey
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper, Lease
@@ -33,7 +35,6 @@ from kvtier.server.observability import ServerMetrics
 
 log = logging.getLogger("kvtier.server")
 
-AUTH_METADATA = "authorization"
 BEARER = "Bearer "
 #: Methods anyone may call: the kubelet's gRPC probes carry no token.
 UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
@@ -163,8 +164,11 @@ class CallGate(grpc.ServerInterceptor):
         budget: ByteBudget,
         limit: ConcurrencyLimit,
         options: GateOptions,
+        salts: SaltMapper | None = None,
     ) -> None:
         self.verifier = verifier
+        #: Verifies the request salts that engine credentials present (``acting_principal``).
+        self.salts = salts if salts is not None else RequestSalts(None, verifier)
         self.policy = policy
         self.budget = budget
         self.limit = limit
@@ -277,15 +281,21 @@ class CallGate(grpc.ServerInterceptor):
         return call
 
     def authenticate(self, metadata: Any) -> Principal:
-        token = None
+        """The principal a call acts for: the token's, or, for an engine's token, the principal of
+        the request salt it presents (verified here, where the salt key lives)."""
+        token = salt = None
         for k, v in metadata or ():
             if k == AUTH_METADATA:
                 token = v
-                break
+            elif k == SALT_METADATA:
+                salt = v
         if not isinstance(token, str) or not token.startswith(BEARER):
             raise AuthError("missing credential: send 'authorization: Bearer <token>'")
-        principal = self.verifier.principal(token[len(BEARER) :].strip())
-        self.policy.require_active(principal)
+        credential = self.verifier.principal(token[len(BEARER) :].strip())
+        self.policy.require_active(credential)
+        principal = acting_principal(credential, salt if isinstance(salt, str) else None, self.salts)
+        if principal is not credential:
+            self.policy.require_active(principal)
         return principal
 
     def _fail(self, call: Call, exc: KvtierError) -> None:

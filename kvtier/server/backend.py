@@ -24,14 +24,14 @@ from kvtier.security.policy import Policy, Principal
 from kvtier.security.revocations import RevocationSync
 from kvtier.security.secrets import read_secret_file
 from kvtier.security.timing import TimingMitigations
-from kvtier.security.wrapped_keys import LmdbWrappedKeyStore, MirroredKeyStore, WrappedKeyStore
+from kvtier.security.wrapped_keys import MirroredKeyStore, SlotFileKeyStore, WrappedKeyStore
 from kvtier.server.config import DaemonConfig
 from kvtier.server.service import PurgeOutcome
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore
 from storage_backends.frame_memory import FrameMemoryTier
 from storage_backends.lmdb import LmdbTier
-from storage_backends.s3 import S3Tier
+from storage_backends.s3 import S3Tier, SeaweedVacuum
 from storage_backends.s3_config import S3Config
 from storage_backends.s3_keys import S3WrappedKeyStore
 from storage_backends.s3_revocations import S3RevocationFeed
@@ -103,7 +103,7 @@ class Backend:
         s3cfg = s3_config(config) if tiers.remote is not None else None
         keyring = None
         if config.encrypting:
-            keyring = _keyring(config, s3cfg, closers)
+            keyring = _keyring(config, s3cfg, closers, deriver)
         local: list[Tier] = []
         remote: S3Tier | None = None
         try:
@@ -132,8 +132,12 @@ class Backend:
         mitigations = TimingMitigations(min_public_prefix_blocks=sec.min_public_prefix_blocks,
                                         miss_limit=sec.miss_limit or None, miss_window_s=sec.miss_window_s)
         # The daemon's one access gate lives in this KVCache; the service is handed ``cache.gate``.
+        compactors = ()
+        if tiers.remote is not None and tiers.remote.vacuum_url:
+            compactors = (SeaweedVacuum(tiers.remote.vacuum_url),)
         cache = KVCache(store, (), policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path,
-                                                         mitigations=mitigations, on_count=on_count))
+                                                         mitigations=mitigations, on_count=on_count,
+                                                         compactors=compactors))
         sync = None
         if s3cfg is not None and sec.revocation_sync_s > 0:
             feed = S3RevocationFeed(s3cfg, deriver.subkey("revocation-feed"))
@@ -159,7 +163,13 @@ def _node_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callable[[], object]]) -> KeyRing:
+def mirror_auth_key(deriver: DomainDeriver) -> bytes:
+    """The key that authenticates wrapped keys in the bucket (derived from the server secret)."""
+    return deriver.subkey("wrapped-key-mirror")
+
+
+def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callable[[], object]],
+             deriver: DomainDeriver) -> KeyRing:
     sec = config.security
     if sec.master_key_file is not None:
         # Group read is accepted (a Kubernetes Secret mounted for the pod's fsGroup is 0440), as
@@ -170,12 +180,16 @@ def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callabl
         provider = key_provider(sec.master_key)
     path = config.key_store_path
     assert path is not None  # config validation guarantees it while encrypting
-    primary = LmdbWrappedKeyStore(path)
+    # Slots overwritten in place: a purge's destroyed keys leave no copy in the file (an LMDB
+    # store from an earlier release is imported and scrubbed).
+    primary = SlotFileKeyStore(path)
     closers.append(primary.close)
     store: WrappedKeyStore = primary
     if s3cfg is not None:
         # Other nodes sharing the bucket need this node's data keys to open its records.
-        store = MirroredKeyStore(primary, S3WrappedKeyStore(s3cfg))
+        mirror = S3WrappedKeyStore(s3cfg, auth_key=mirror_auth_key(deriver))
+        closers.append(mirror.close)
+        store = MirroredKeyStore(primary, mirror)
     ring = KeyRing(provider, store)
     closers.append(ring.close)
     return ring

@@ -73,6 +73,13 @@ def host_port(v: Any) -> str | None:
     return None
 
 
+def listen_address(v: Any) -> str | None:
+    """host:port, or ``unix:/absolute/path`` for a unix socket (engines on the same node)."""
+    if isinstance(v, str) and v.startswith("unix:"):
+        return None if v[5:].startswith("/") and len(v) > 6 else f"a unix socket must be unix:/absolute/path, got {v!r}"
+    return host_port(v)
+
+
 def http_url(v: Any) -> str | None:
     parts = urlsplit(v)
     try:
@@ -111,7 +118,8 @@ def _log_levels() -> list[str]:
 class ServerConfig:
     """The gRPC listener, its limits, TLS, and the metrics endpoint."""
 
-    listen: str = _f("127.0.0.1:7070", "gRPC listen address host:port (port 0: any free port).", check=host_port)
+    listen: str = _f("127.0.0.1:7070", "gRPC listen address host:port (port 0: any free port), or "
+                     "unix:/absolute/path for a unix socket shared by the engines of the node.", check=listen_address)
     metrics_listen: str | None = _f(
         None,
         "Prometheus /metrics listen address host:port; unset or empty: no endpoint.",
@@ -175,6 +183,12 @@ class AuthConfig:
         kind="path",
     )
     audience: str | None = _f(None, "Required token audience (aud claim); unset: tokens without one.")
+    salt_key_file: str | None = _f(
+        None,
+        "Key of the engines' hmac request salts (kvs2:...). With it, a token with the 'engine' role acts "
+        "for the principal of the salt each call presents; salts that are kvtier tokens need no key.",
+        kind="path",
+    )
     max_token_lifetime_s: float = _f(
         86400.0,
         "Tokens valid for longer than this (exp - iat) are refused.",
@@ -206,8 +220,8 @@ class SecurityConfig:
     encrypt_remote: bool = _f(True, "Encrypt records in the remote tier.")
     key_store_dir: str | None = _f(
         None,
-        "Where wrapped data keys are kept (LMDB). Default: <tiers.disk.path>/keys; required when encrypting "
-        "without a disk tier.",
+        "Where wrapped data keys are kept (a slot file overwritten in place; an older LMDB store is imported). "
+        "Default: <tiers.disk.path>/keys; required when encrypting without a disk tier.",
         kind="path",
     )
     audit_log_file: str | None = _f(
@@ -266,6 +280,12 @@ class RemoteTierConfig:
     write_policy: str = _f("write-through", "When blocks are uploaded.", check=one_of(_write_policies))
     connect_timeout_s: float = _f(1.0, "Connect timeout per S3 request.", check=positive)
     read_timeout_s: float = _f(5.0, "Read timeout per S3 request.", check=positive)
+    vacuum_url: str | None = _f(
+        None,
+        "SeaweedFS master URL (http://host:9333). A purge then vacuums the volumes before it counts as done, so "
+        "the objects it deleted leave the volume files (docs/security.md 2.6); unset: compaction is the service's.",
+        check=http_url,
+    )
 
 
 @dataclass(slots=True, frozen=True)

@@ -27,6 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier.errors import ConfigError
 from kvtier.hostmem import tune_malloc_for_large_blocks
+from kvtier.keys import PUBLIC
+from kvtier.security.salts import HmacSaltMapper, RequestSalts, read_salt_key
 from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.security.tokens import TokenVerifier
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
@@ -88,8 +90,10 @@ class Daemon:
         self.budget = ByteBudget(s.max_inflight_bytes, s.max_inflight_bytes_per_client)
         self.concurrency = ConcurrencyLimit(s.max_concurrent_rpcs)
         self.reaper = DeadlineReaper()
+        salt_key = config.auth.salt_key_file
+        salts = RequestSalts(HmacSaltMapper(read_salt_key(salt_key)) if salt_key else None, self.verifier)
         self.gate = CallGate(self.verifier, self.backend.policy, self.budget, self.concurrency,
-                             GateOptions(s.max_rpc_seconds, self.metrics, self.reaper))
+                             GateOptions(s.max_rpc_seconds, self.metrics, self.reaper), salts)
         self.service = KvCacheService(ServiceParts(
             store=self.backend.store, gate=self.backend.cache.gate, local_tiers=self.backend.local_tiers,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
@@ -113,6 +117,8 @@ class Daemon:
 
     @property
     def address(self) -> str:
+        if self.config.server.listen.startswith("unix:"):
+            return self.config.server.listen
         host = self.config.server.listen.rsplit(":", 1)[0]
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"
@@ -156,7 +162,9 @@ class Daemon:
                                                                    lambda: self.concurrency.active,
                                                                    lambda: self.budget.refused,
                                                                    lambda: self.concurrency.refused,
-                                                                   self._revocation_counts))
+                                                                   self._revocation_counts),
+                                        # /metrics is unauthenticated: it names the public domain only.
+                                        labelled_domains=frozenset({self.backend.policy.domain(PUBLIC)}))
             self._metrics_endpoint = MetricsEndpoint(collector, host.strip("[]"), int(port))
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

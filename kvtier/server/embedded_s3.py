@@ -29,6 +29,7 @@ import botocore.exceptions as bce
 from botocore.config import Config
 
 from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.security.secrets import private_dir
 
 STATE_FILE = "kvtier-s3.json"
 LOG_FILE = "weed.log"
@@ -138,6 +139,13 @@ class EmbeddedS3:
         return f"http://{self.host}:{self.ports.s3}"
 
     @property
+    def master_url(self) -> str:
+        """The master's HTTP API (``tiers.remote.vacuum_url``: purges vacuum the volumes through it)."""
+        if self.ports is None:
+            raise TierUnavailable("EmbeddedS3 has not been started")
+        return f"http://{self.host}:{self.ports.master}"
+
+    @property
     def log_path(self) -> Path:
         return self.data_dir / LOG_FILE
 
@@ -177,7 +185,8 @@ class EmbeddedS3:
         between choosing and binding (only when the caller did not fix the ports)."""
         if self.running():
             return self
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # 0700/0600 whatever the umask: volumes hold every object (and, until vacuumed, deleted ones).
+        private_dir(self.data_dir)
         chosen = self.ports is not None
         last: TierUnavailable | None = None
         for _ in range(attempts if not chosen else 1):
@@ -194,12 +203,12 @@ class EmbeddedS3:
         raise last
 
     def _spawn(self, detach: bool) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        log = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         self._log_start = log.tell()
         try:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, cwd=self.data_dir,
+                start_new_session=True, cwd=self.data_dir, umask=0o077,
             )
         finally:
             log.close()

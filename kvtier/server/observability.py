@@ -103,15 +103,22 @@ class DaemonCollector(Collector):
 
     ``usage_tiers`` names the tiers whose usage() is cheap (local ones); the remote tier's would
     list a bucket on every scrape, so it is left out.
+
+    ``labelled_domains``: when given, ``kvtier_scope_bytes`` carries a series of its own only for
+    these domains (the public one), and every other domain's bytes are summed into one series
+    labelled ``domain="private"`` per tier, so /metrics names no private scope domain. None (the
+    default): every domain by its opaque id.
     """
 
     def __init__(
-        self, tiers: Sequence[Tier], usage_tiers: set[str], server: ServerMetrics, gauges: ServerGauges
+        self, tiers: Sequence[Tier], usage_tiers: set[str], server: ServerMetrics, gauges: ServerGauges,
+        *, labelled_domains: frozenset[bytes] | None = None,
     ) -> None:
         self.tiers = list(tiers)
         self.usage_tiers = usage_tiers
         self.server = server
         self.gauges = gauges
+        self.labelled_domains = labelled_domains
 
     def collect(self) -> Iterator[Any]:
         yield from self._tier_metrics()
@@ -144,8 +151,14 @@ class DaemonCollector(Collector):
                 used.add_metric([t.name], float(u.bytes))
                 if u.capacity_bytes is not None:
                     cap.add_metric([t.name], float(u.capacity_bytes))
+                private = 0
                 for dom, n in u.by_domain.items():
-                    scope.add_metric([t.name, dom.hex()], float(n))
+                    if self.labelled_domains is None or dom in self.labelled_domains:
+                        scope.add_metric([t.name, dom.hex()], float(n))
+                    else:
+                        private += n
+                if self.labelled_domains is not None and private:
+                    scope.add_metric([t.name, "private"], float(private))
         yield from simple.values()
         yield from (errors, latency, blocks, used, cap, scope)
 

@@ -8,12 +8,17 @@ store, and every read goes through the store (verification, promotion, metrics):
 - Get: ``gate.require_readable`` refuses the whole call (PERMISSION_DENIED) if any key is not
   the caller's, before any tier is touched. Prefix mode: ``gate.lookup`` then ``store.load`` of
   that lookup. Per-key mode: ``gate.each`` says which keys may be served, ``store.get_each``
-  reads them (promoting hits from lower tiers, as a prefix read does).
+  reads them (promoting hits from lower tiers, as a prefix read does). Both modes ask
+  ``gate.require_still_active`` before every message, so a revocation ends an open stream.
 - Put: ``gate.writable`` per block as it arrives (refused: another's scope, a private scope the
   caller may not write, a scope under purge); a shared scope the caller may read but not publish
-  is skipped and listed as rejected. The store's per-key report says stored/present/rejected.
-- Delete, ListScope, Purge and Stats: ``gate.require_delete``, ``require_list``, the purge
-  function (KVCache.purge: ``gate.require_purge``) and ``gate.visible_domains``.
+  is skipped and listed as rejected. The store's per-key report says stored/present/rejected,
+  except that ``gate.reveals_presence`` turns present into stored while the timing mitigations
+  are on.
+- Delete, ListScope, Purge and Stats: ``gate.require_delete``, ``require_list`` (the public
+  scope needs the publish role under the mitigations), the purge function (KVCache.purge:
+  ``gate.require_purge``) and ``gate.visible_domains`` / ``gate.sees_totals`` (tier-wide totals
+  for operators only). Revoke: ``REVOKE_RULES`` (who may revoke, and lift, what).
 Put commits whole, verified blocks in batches as they arrive: a stream that fails part-way may
 leave earlier blocks stored (each whole), never a partial block.
 """
@@ -30,11 +35,11 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import AccessDenied, InvalidRequest
-from kvtier.keys import BlockKey, ScopeDomain, ScopeKind, key_domain
+from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
-from kvtier.rpc.service_name import SERVICE_NAME
+from kvtier.rpc.names import SERVICE_NAME
 from kvtier.rpc.wire import (
     BlockAssembler,
     ChunkFrame,
@@ -45,6 +50,7 @@ from kvtier.rpc.wire import (
     encode_frame,
     pack_items,
 )
+from kvtier.security.audit import check_sizes
 from kvtier.security.gate import AccessGate
 from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
 from kvtier.server.auth import Call
@@ -92,38 +98,65 @@ class ServiceParts:
     limits: ServiceLimits
 
 
+#: Authority of a revoke or grant, weakest first: a revocation is lifted only by a caller whose
+#: authority is at least that of the revocation in force (a tenant admin cannot lift an
+#: operator's revocation of one of its users; an operator can lift anything).
+AUTHORITY_RANK: dict[str, int] = {"": 0, ROLE_ADMIN: 1, ROLE_OPERATOR: 2}
+
+
+def authority_of(p: Principal) -> str:
+    return ROLE_OPERATOR if ROLE_OPERATOR in p.roles else ROLE_ADMIN if ROLE_ADMIN in p.roles else ""
+
+
 class RevokeRule(ABC):
     """Who may revoke what: one small strategy per target kind (registry ``REVOKE_RULES``).
-    By default only operators may; the policy records every change in its audit log."""
+    By default only operators may; lifting also needs at least the authority the revocation in
+    force was made with (``may_lift``). The policy records every change, with its authority, in
+    its audit log."""
+
+    #: The policy's typed-target prefix for this kind.
+    prefix: str = ""
 
     def allowed(self, actor: Principal, target: str) -> bool:
         return ROLE_OPERATOR in actor.roles
 
+    def may_lift(self, policy: Policy, actor: Principal, target: str) -> bool:
+        held = policy.revocation_authority(self.prefix + target)
+        return held is None or AUTHORITY_RANK[authority_of(actor)] >= AUTHORITY_RANK.get(held, 2)
+
     @abstractmethod
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: str, reason: str) -> None: ...
+    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None: ...
 
 
 class RevokePrincipal(RevokeRule):
     """Operators anywhere; tenant admins within their own tenant."""
 
+    prefix = "principal:"
+
     def allowed(self, actor: Principal, target: str) -> bool:
         tenant = target.partition("/")[0]
         return ROLE_OPERATOR in actor.roles or (ROLE_ADMIN in actor.roles and tenant == actor.tenant)
 
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: str, reason: str) -> None:
-        (policy.grant if lift else policy.revoke)(target, actor=actor, reason=reason)
+    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None:
+        (policy.grant if lift else policy.revoke)(target, actor=actor.id, reason=reason,
+                                                  authority=authority_of(actor))
 
 
 class RevokeTenant(RevokeRule):
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: str, reason: str) -> None:
-        (policy.grant_tenant if lift else policy.revoke_tenant)(target, actor=actor, reason=reason)
+    prefix = "tenant:"
+
+    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None:
+        (policy.grant_tenant if lift else policy.revoke_tenant)(target, actor=actor.id, reason=reason,
+                                                                authority=authority_of(actor))
 
 
 class RevokeCredential(RevokeRule):
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: str, reason: str) -> None:
+    prefix = "credential:"
+
+    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None:
         if lift:
             raise InvalidRequest("a revoked credential stays revoked: mint a new token instead")
-        policy.revoke_credential(target, actor=actor, reason=reason)
+        policy.revoke_credential(target, actor=actor.id, reason=reason, authority=authority_of(actor))
 
 
 REVOKE_RULES: dict[int, RevokeRule] = {
@@ -212,6 +245,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         try:
             # A block's bytes stay reserved until the message that completes it has been handed on.
             for msg, done in pack_items(items, self.limits.chunk_bytes):
+                # Every message re-asks the gate: a stream opened before a revocation ends here.
+                self.gate.require_still_active(call.principal)
                 yield msg
                 lease.release(done)
                 total -= done
@@ -261,9 +296,12 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             return
         try:
             report = self.store.put(batch)
+            present = sum(report.outcomes[b.key].outcome is PutOutcome.PRESENT for b in batch)
+            # While the timing mitigations are on, "already present" is answered as "stored".
+            reveal = self.gate.reveals_presence(call.principal, present)
             for b in batch:
                 outcome = report.outcomes[b.key].outcome
-                if outcome is PutOutcome.STORED:
+                if outcome is PutOutcome.STORED or (outcome is PutOutcome.PRESENT and not reveal):
                     out.stored.append(b.key)
                 elif outcome is PutOutcome.PRESENT:
                     out.present.append(b.key)
@@ -303,6 +341,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     def Purge(self, request: pb.PurgeRequest, call: Call) -> pb.PurgeResponse:
         if not request.scope:
             raise InvalidRequest("purge needs a scope: public, org, user, session or a full scope name")
+        check_sizes(target=request.scope, reason=request.reason)  # KVCache.purge checks too; before the log line
         res = self.parts.purge(call.principal, request.scope, request.reason)
         kind = request.scope.split(":", 1)[0]  # the kind only: a full scope names a tenant and user
         log.info("purge", extra={"event": "purge", "principal": call.principal.id, "scope_kind": kind,
@@ -316,10 +355,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             raise InvalidRequest(f"unknown revoke kind {request.kind}")
         if not request.target:
             raise InvalidRequest("revoke needs a target")
+        check_sizes(target=request.target, reason=request.reason)  # before anything (audited in full)
         actor = call.principal
         if not rule.allowed(actor, request.target):
             raise AccessDenied(f"principal {actor.id} may not revoke {pb.RevokeKind.Name(request.kind)} targets")
-        rule.apply(self.policy, request.target, lift=request.lift, actor=actor.id, reason=request.reason)
+        if request.lift and not rule.may_lift(self.policy, actor, request.target):
+            raise AccessDenied(f"principal {actor.id} may not lift a revocation made with more authority "
+                               "(an operator's): ask an operator")
+        rule.apply(self.policy, request.target, lift=request.lift, actor=actor, reason=request.reason)
         log.info("revoke", extra={"event": "grant" if request.lift else "revoke", "principal": actor.id,
                                   "kind": pb.RevokeKind.Name(request.kind), "target": request.target})
         return pb.RevokeResponse()
@@ -327,6 +370,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     # -- stats / domains --------------------------------------------------------------------------
     def Stats(self, request: pb.StatsRequest, call: Call) -> pb.StatsResponse:
         visible = self.gate.visible_domains(call.principal)
+        if not self.gate.sees_totals(call.principal):
+            return self._own_stats(visible or {})
         out = pb.StatsResponse()
         for t in self.store.tiers:
             snap = t.metrics.snapshot()
@@ -348,6 +393,27 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         out.server.active_rpcs = self.parts.concurrency.active
         out.server.calls.update(srv["calls"])
         out.server.errors.update(srv["errors"])
+        return out
+
+    def _own_stats(self, visible: dict[ScopeDomain, Scope]) -> pb.StatsResponse:
+        """Stats for a non-operator: per local tier, only the bytes and blocks of its own readable
+        scopes and the tier's capacity (configuration). No tier-wide totals, hit/miss or traffic
+        counters, no server counters: those are everyone's usage together, and totals minus one's
+        own usage would be the other tenants' usage."""
+        out = pb.StatsResponse()
+        for t in self.store.tiers:
+            ts = out.tiers.add(name=t.name)
+            if t.name not in self._local_names:
+                continue
+            u = t.usage()
+            ts.usage_listed = True
+            ts.capacity_bytes = u.capacity_bytes or 0
+            for dom, n in u.by_domain.items():
+                if dom in visible:
+                    ts.domain_bytes[dom.hex()] = n
+                    ts.bytes += n
+                    ts.blocks += len(t.keys_in_scope(dom))
+        out.server.SetInParent()
         return out
 
     def Domains(self, request: pb.DomainsRequest, call: Call) -> pb.DomainsResponse:

@@ -124,6 +124,9 @@ class Tier(ABC):
     """
 
     name: str = "tier"
+    #: Whether another process sees what this tier holds (a daemon, a bucket): only a store of such
+    #: tiers can serve an engine whose scheduler and workers run in separate processes.
+    shared_across_processes: bool = False
 
     def __init__(self) -> None:
         self.metrics = TierMetrics(self.name)

@@ -191,7 +191,10 @@ def test_s3_outage_local_tiers_keep_serving(dep: LocalDeployment, tmp_path: Path
             gone = blocks_of(3, 3_000)  # never stored: the remote probe fails, the answer is a miss
             assert tier.contains([b.key for b in gone]) == 0
             assert tier.get([b.key for b in gone]) == [None] * 3
-            errors = next(t for t in tier.stats().tiers if t.name == s3_tier.name).errors
+            # Tier counters are everyone's traffic together: operators see them (docs/security.md 2.10).
+            ops = GrpcTier(GrpcTierConfig(d.address, dep.token("kvtier", "ops", roles=("operator",))))
+            errors = next(t for t in ops.stats().tiers if t.name == s3_tier.name).errors
+            ops.close()
             assert errors.get("unavailable", 0) + errors.get("timeout", 0) >= 1  # visible, not silent
             tier.close()
     finally:

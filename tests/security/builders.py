@@ -26,7 +26,7 @@ from kvtier.security.keyring import KeyRing
 from kvtier.security.master_keys import FileKeyProvider, write_master_key
 from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.security.timing import TimingMitigations
-from kvtier.security.wrapped_keys import LmdbWrappedKeyStore, MirroredKeyStore
+from kvtier.security.wrapped_keys import MirroredKeyStore, SlotFileKeyStore
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore
 from storage_backends.gpu import GpuTier
@@ -73,7 +73,9 @@ class CacheRig:
     audit: AuditLog = field(init=False)
     policy: Policy = field(init=False)
     store: TieredStore = field(init=False)
-    local_keys: LmdbWrappedKeyStore = field(init=False)
+    local_keys: SlotFileKeyStore = field(init=False)
+    #: Run by every purge after its deletions (a SeaweedFS vacuum for the forensic test).
+    compactors: tuple[Any, ...] = ()
     master_key_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,13 +86,13 @@ class CacheRig:
         self.open()
 
     def open(self) -> None:
-        self.local_keys = LmdbWrappedKeyStore(self.root / "keys")
+        self.local_keys = SlotFileKeyStore(self.root / "keys")  # the daemon's local key store
         s3 = None
         self.key_store: Any = self.local_keys
         if "s3" in self.kinds:
             assert self.make_s3 is not None, "s3 rig needs the make_s3_tier fixture"
             s3 = self.make_s3()
-            self.s3_keys = S3WrappedKeyStore(s3.config)
+            self.s3_keys = S3WrappedKeyStore(s3.config, auth_key=DERIVER.subkey("wrapped-key-mirror"))
             self.key_store = MirroredKeyStore(self.local_keys, self.s3_keys)
         self.keyring = KeyRing(FileKeyProvider(self.master_key_path), self.key_store)
         self.audit = AuditLog(self.root / "audit.log")
@@ -114,7 +116,7 @@ class CacheRig:
         self.cache = KVCache(
             self.store, SMALL, self.policy,
             CacheOptions(keyring=self.keyring, journal_dir=self.root / "journal", mitigations=self.mitigations,
-                         clock=self.clock),
+                         clock=self.clock, compactors=self.compactors),
         )
 
     def close(self) -> None:
