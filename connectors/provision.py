@@ -13,23 +13,41 @@ Providers (strategies in ``CACHE_PROVIDERS``), chosen by ``kvtier.cache``:
   them a remote tier only, or run the daemon.
 - ``factory``: ``kvtier.factory`` is ``module:function``; ``function(config, layout)`` returns a
   KVCache. For deployments that assemble their own store (and for tests).
+- ``daemon`` (the standard deployment): ``kvtier.daemon`` is the node's ``kvtier serve`` address
+  (``unix:/path`` or ``host:port``; ``kvtier.daemon_ca_file`` for TLS) and
+  ``kvtier.daemon_token_file`` holds the engine's own credential (a token with the ``engine``
+  role). Every process of the engine (scheduler, workers) and every engine of the node reaches
+  the same daemon. Each request acts for the principal of its salt, which the daemon verifies:
+  the engine never holds the salt key and cannot act for anyone whose salt it was not given.
+
+An engine asks a ``CacheSource`` (``cache_source``) for the KVCache and principal of a request's
+salt. The in-process providers serve every process that opens them from that process's own
+memory, so ``CacheSource.shared_across_processes`` tells a connector whether the engine's
+process model can use it (vLLM's multiprocess executor cannot use a private in-memory tier).
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable, Mapping
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connectors.identity import salt_mapper
 from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.errors import ConfigError
+from kvtier.keys import ScopeKind
 from kvtier.layout import KVLayout
-from kvtier.security.policy import Policy
+from kvtier.security.policy import Policy, Principal
+from kvtier.security.salts import SaltMapper
+from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore, TransferObserver
 
 if TYPE_CHECKING:
-    from storage_backends.grpc import GrpcTierConfig
+    from storage_backends.grpc import DomainTable, GrpcTier, GrpcTierConfig
 
 CONFIG_PREFIX = "kvtier."
 
@@ -109,11 +127,156 @@ def daemon_cache(
     return KVCache(TieredStore([tier], observer=observer), layout, Policy(tier.domains()))  # type: ignore[arg-type]
 
 
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    """Whom a request is served as, and the KVCache that serves it."""
+
+    principal: Principal
+    cache: KVCache
+
+
+class CacheSource(ABC):
+    """Where an engine process finds the KVCache for a request, from the request's salt.
+
+    Thread-safe. ``for_salt`` returns None for a request without a salt (served without kvtier)
+    and raises AuthError or AccessDenied for a salt that is refused (a counted refusal).
+    """
+
+    #: Whether every process that opens this source sees the same blocks.
+    shared_across_processes: bool
+
+    @abstractmethod
+    def for_salt(self, salt: str | None) -> Tenant | None: ...
+
+    @abstractmethod
+    def errors(self) -> dict[str, int]:
+        """Failures its tiers turned into misses (an unreachable daemon, say), by cause: a tier
+        degrades to misses without raising, so this is where a connector sees them."""
+
+
+def _tier_errors(tiers: Iterable[Tier]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in tiers:
+        for cause, n in t.metrics.snapshot()["errors"].items():
+            out[cause] = out.get(cause, 0) + n
+    return out
+
+
+class LocalSource(CacheSource):
+    """The in-process providers: one KVCache; salts verified here with the configured mapper."""
+
+    def __init__(self, cache: KVCache, salts: SaltMapper) -> None:
+        self.cache = cache
+        self.salts = salts
+        self.shared_across_processes = all(t.shared_across_processes for t in cache.store.tiers)
+
+    def for_salt(self, salt: str | None) -> Tenant | None:
+        principal = self.salts.principal(salt)
+        return None if principal is None else Tenant(principal, self.cache)
+
+    def errors(self) -> dict[str, int]:
+        return _tier_errors(self.cache.store.tiers)
+
+
+class DaemonSource(CacheSource):
+    """The node's daemon, reached with the engine's credential; per salt, a client on the same
+    channel that acts for the salt's principal (verified by the daemon) and a KVCache keyed with
+    the scope domains the daemon hands out for it. Bounded: the least recently used salts' caches
+    are dropped beyond ``max_tenants``."""
+
+    shared_across_processes = True
+
+    def __init__(self, root: GrpcTier, layout: KVLayout, *, max_tenants: int = 1024) -> None:
+        self.root = root
+        self.layout = layout
+        self.max_tenants = max_tenants
+        self._lock = threading.Lock()
+        self._tenants: OrderedDict[str, Tenant] = OrderedDict()
+
+    def for_salt(self, salt: str | None) -> Tenant | None:
+        if not salt:
+            return None
+        with self._lock:
+            t = self._tenants.get(salt)
+            if t is not None:
+                self._tenants.move_to_end(salt)
+                return t
+        tier = self.root.acting_for(salt)
+        table = tier.domains()  # the daemon verifies the salt here (AuthError / AccessDenied)
+        t = Tenant(principal_of(table), KVCache(TieredStore([tier]), self.layout, Policy(table)))  # type: ignore[arg-type]
+        with self._lock:
+            self._tenants[salt] = t
+            while len(self._tenants) > self.max_tenants:
+                self._tenants.popitem(last=False)
+        return t
+
+    def errors(self) -> dict[str, int]:
+        with self._lock:
+            tiers = [self.root, *(t for tenant in self._tenants.values() for t in tenant.cache.store.tiers)]
+        return _tier_errors(tiers)
+
+    def close(self) -> None:
+        with self._lock:
+            self._tenants.clear()
+        self.root.close()
+
+
+def principal_of(table: DomainTable) -> Principal:
+    """The principal a daemon's domain table is for, rebuilt from its scopes (no roles: the daemon
+    decides what they allow)."""
+    tenant, _, user = table.principal.partition("/")
+    org = session = None
+    for scope in table.grants:
+        if scope.kind is ScopeKind.ORG:
+            org = scope.ident.split("/", 1)[1]
+        elif scope.kind is ScopeKind.SESSION:
+            session = scope.ident.rsplit("/", 1)[1]
+    return Principal(tenant, user, org=org, session=session)
+
+
+def _daemon_root(cfg: Mapping[str, Any]) -> GrpcTier:
+    from kvtier.security.secrets import read_public_file, read_secret_file
+    from storage_backends.grpc import GrpcTier, GrpcTierConfig
+
+    address = cfg.get("daemon")
+    token_file = cfg.get("daemon_token_file")
+    if not address or not token_file:
+        raise ConfigError("kvtier.cache=daemon needs kvtier.daemon (unix:/path or host:port of the node's "
+                          "kvtier serve) and kvtier.daemon_token_file (the engine's token, role 'engine')")
+    token = read_secret_file(str(token_file), "kvtier.daemon_token_file").decode().strip()
+    ca = cfg.get("daemon_ca_file")
+    return GrpcTier(GrpcTierConfig(str(address), token, tls_ca=read_public_file(str(ca), "kvtier.daemon_ca_file")
+                                   if ca else None, timeout_s=float(cfg.get("daemon_timeout_s", 30.0))))
+
+
+_SOURCES: dict[tuple[str, str, bytes], CacheSource] = {}
+
+
+def cache_source(cfg: Mapping[str, Any], layout: KVLayout) -> CacheSource:
+    """The process's CacheSource for this configuration and layout (built on first use)."""
+    name = str(cfg.get("cache", "config"))
+    if name != "daemon":
+        return LocalSource(shared_cache(cfg, layout), salt_mapper(cfg))
+    key = (name, str(cfg.get("daemon")), layout.fingerprint)
+    with _lock:
+        src = _SOURCES.get(key)
+    if src is None:
+        src = DaemonSource(_daemon_root(cfg), layout)
+        with _lock:
+            src = _SOURCES.setdefault(key, src)
+    return src
+
+
 def forget_shared_caches() -> None:
     """Drop the process's caches and close the backends opened from config files (tests, shutdown)."""
     with _lock:
         _CACHES.clear()
         backends = list(_BACKENDS.values())
         _BACKENDS.clear()
+        sources = list(_SOURCES.values())
+        _SOURCES.clear()
     for b in backends:
         b.close()
+    for src in sources:
+        if isinstance(src, DaemonSource):
+            src.close()

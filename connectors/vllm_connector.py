@@ -1,14 +1,13 @@
 """kvtier as a vLLM v1 KV connector (``KVConnectorBase_V1``).
 
-Run vLLM with::
+Run vLLM with the node's daemon (docs/connectors.md has the whole command)::
 
     --kv-transfer-config '{"kv_connector": "KvtierConnector",
                            "kv_connector_module_path": "connectors.vllm_connector",
                            "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"kvtier.cache": "config",
-                                                         "kvtier.config": "/etc/kvtier/kvtier.toml",
-                                                         "kvtier.salt_mapper": "hmac",
-                                                         "kvtier.salt_key_file": "/etc/kvtier/salt.key"}}'
+                           "kv_connector_extra_config": {"kvtier.cache": "daemon",
+                                                         "kvtier.daemon": "unix:/run/kvtier/kvtier.sock",
+                                                         "kvtier.daemon_token_file": "/etc/kvtier/engine.token"}}'
 
 How vLLM's world maps onto kvtier:
 
@@ -18,25 +17,32 @@ How vLLM's world maps onto kvtier:
   ``block_shape_override``. The layout (model, revision, heads, head size, dtype, block size,
   tensor-parallel rank) is part of every key: two deployments that differ in any of them never
   exchange blocks.
-- The principal comes from the request's ``cache_salt`` through ``connectors.identity`` (never
-  trusted blindly); a request without a valid salt is served without kvtier (counted).
+- Each request's principal and cache come from its ``cache_salt`` through a
+  ``connectors.provision.CacheSource``: with the daemon, the daemon verifies the salt (the engine
+  holds only its own ``engine`` credential); with an in-process cache, ``connectors.identity``
+  does. A request without a valid salt is served without kvtier (counted).
+- vLLM's default executor runs the scheduler and the workers in separate processes: a cache in
+  one process's memory is refused at start-up (``_check_process_model``), never silently empty.
 - Scopes come from a ``connectors.scoping`` rule (private, or public-registry).
 - Scheduler side: ``get_num_new_matched_tokens`` looks up the request's chain and asks the cost
   model how much to reload; ``update_state_after_alloc`` records the vLLM block ids to load into;
-  ``build_connector_meta`` turns the step into load and save jobs (tokens, segments, block ids:
-  each worker derives its own keys, since the tensor-parallel rank is part of the layout).
-- Worker side: ``start_load_kv`` reads the blocks through the KVCache on a thread,
-  ``wait_for_layer_load`` scatters one layer's pages into the paged buffer (or, with
-  ``kvtier.load_async``, the thread scatters everything and ``get_finished`` reports it);
-  ``save_kv_layer`` gathers the pages of newly completed prompt blocks per layer and
-  ``wait_for_save`` stores them. Blocks that could not be loaded are reported through
-  ``get_block_ids_with_load_errors`` so vLLM recomputes them; nothing wrong is ever scattered,
-  because the KVCache returns only verified blocks.
+  ``build_connector_meta`` turns the step into load and save jobs (salt, tokens, segments, block
+  ids, and the scheduler's lookup for workers of the same layout).
+- Worker side (pages move through kvtier's TransferEngine, ``connectors.vllm_pages``):
+  ``start_load_kv`` reads the blocks on a thread and queues them layer by layer;
+  ``wait_for_layer_load`` waits for its own layer; ``save_kv_layer`` queues a gather into pinned
+  staging and returns; ``wait_for_save`` waits for those copies once per step and hands the
+  blocks to a saver thread (``connectors.block_saver``). Blocks that could not be loaded are
+  reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them; nothing wrong is
+  ever written into the pages, because the KVCache returns only verified blocks.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,13 +55,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.identity import SaltMapper, salt_mapper
-from connectors.provision import kvtier_options, shared_cache
+from connectors.block_saver import BlockSaver
+from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
-from kvtier.cache.kv_cache import KVCache
+from connectors.vllm_pages import Gathered, LayerLoad, PagedKV
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, TierUnavailable
 from kvtier.layout import KVLayout, dtype_name
-from kvtier.security.policy import Principal
 from kvtier.store.lookup import Lookup
 
 if TYPE_CHECKING:
@@ -79,7 +84,8 @@ class BlockJob:
     """
 
     req_id: str
-    principal: Principal
+    #: The request's salt: each worker resolves it to the same principal and cache itself.
+    salt: str
     prompt: ScopedPrompt
     start: int
     end: int
@@ -101,7 +107,8 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
 class _Match:
     """What get_num_new_matched_tokens decided for a request (kept until it is scheduled)."""
 
-    principal: Principal
+    salt: str
+    tenant: Tenant
     prompt: ScopedPrompt
     local_tokens: int
     lookup: Lookup
@@ -117,7 +124,7 @@ class _Match:
 class _Tracked:
     """A running request whose prompt blocks are saved as vLLM computes them."""
 
-    principal: Principal
+    salt: str
     prompt: ScopedPrompt
     block_ids: list[int]
     saved_upto: int
@@ -152,6 +159,26 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
     )
 
 
+def _check_process_model(source: CacheSource, vllm_config: VllmConfig, provider: str) -> None:
+    """Refuse, at start-up, a cache that the engine's processes would not share.
+
+    vLLM's multiprocess executor (its default on CPU, and for every tensor-parallel size above 1)
+    runs the scheduler in the EngineCore process and each worker in a process of its own: an
+    in-process cache opened in each would silently find nothing the others saved.
+    """
+    backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+    if source.shared_across_processes or backend == "uni":
+        return
+    raise ConfigError(
+        f"kvtier.cache={provider}: this cache lives in the memory of the process that opens it, but vLLM "
+        f"runs its scheduler and workers in separate processes (distributed_executor_backend={backend!r}), so "
+        "each would open its own and nothing saved would ever be found. Use the node's daemon: "
+        "kvtier.cache=daemon with kvtier.daemon=<unix:/path or host:port> and kvtier.daemon_token_file=<engine "
+        "token>; or give the cache only shared tiers (S3); or run vLLM in one process "
+        "(distributed_executor_backend='uni', and VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU)."
+    )
+
+
 class KvtierConnector(KVConnectorBase_V1):
     """vLLM's KV connector backed by kvtier (see the module docstring for the mapping).
 
@@ -169,8 +196,9 @@ class KvtierConnector(KVConnectorBase_V1):
         tp_rank = par.rank % par.tensor_parallel_size if role == KVConnectorRole.WORKER else 0
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, tp_rank=tp_rank,
                                        model_id=self.options.get("model_id"))
-        self.cache: KVCache = shared_cache(self.options, self.layout)
-        self.salts: SaltMapper = salt_mapper(self.options)
+        #: Where each request's KVCache and principal come from (its salt): one per process.
+        self.source: CacheSource = cache_source(self.options, self.layout)
+        _check_process_model(self.source, vllm_config, str(self.options.get("cache", "config")))
         self.rule: ScopeRule = scope_rule(str(self.options.get("scope_rule", "private")),
                                           str(self.options.get("private_scope", "user")))
         self.load_async = bool(self.options.get("load_async", False))
@@ -179,6 +207,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self.block_tokens = self.layout.block_tokens
         self._lock = threading.Lock()
         self.stats: Counter[str] = Counter()
+        #: ``kvtier.stats_file``: each process publishes its counters to ``<path>.<role>.<pid>.json``
+        #: (vLLM's scheduler and workers live in different processes; this is how an operator, or a
+        #: test, sees every one of them).
+        self._stats_path = (f"{self.options['stats_file']}.{role.name.lower()}.{os.getpid()}.json"
+                            if self.options.get("stats_file") else None)
+        self._stats_written = 0.0
         # scheduler side
         self._matched: dict[str, _Match] = {}
         self._loads_pending: list[BlockJob] = []
@@ -188,44 +222,57 @@ class KvtierConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._load_thread: threading.Thread | None = None
         self._thread_exc: BaseException | None = None
-        self._loaded: list[tuple[BlockJob, list[torch.Tensor]]] = []
+        self._loads: list[tuple[BlockJob, LayerLoad]] = []
         #: The last load failure (refused or unreachable), for diagnostics; its blocks were reported.
         self.last_load_error: BaseException | None = None
         self._scattered: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._finished_recving: set[str] = set()
-        self._save_pages: dict[int, dict[str, torch.Tensor]] = {}
+        self._paged: PagedKV | None = None
+        self._gathers: dict[int, list[Gathered | None]] = {}
+        sched = getattr(vllm_config, "scheduler_config", None)
+        max_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
+        #: Pages one step can save per layer: the staging the transfer engine preallocates.
+        self._max_step_pages = -(-max_tokens // self.layout.block_tokens) + 1
+        self._saver = BlockSaver(self._save_job, self._lock, self.stats,
+                                 on_done=lambda: self.publish_stats(force=True))
 
     # =============================================================================================
     # Scheduler side
     # =============================================================================================
-    def _principal(self, request: Request) -> Principal | None:
+    def _tenant(self, salt: str | None) -> Tenant | None:
+        """The request's principal and cache; None (served without kvtier, counted) when it has no
+        salt, or the salt is refused, or the daemon cannot be reached."""
         try:
-            return self.salts.principal(getattr(request, "cache_salt", None))
+            return self.source.for_salt(salt)
         except AccessDenied:  # AuthError included: a forged or expired salt is refused, not served
             self.stats["salt_rejected"] += 1
-            return None
+        except TierUnavailable:  # the daemon is down: recompute, never crash the engine
+            self.stats["source_unavailable"] += 1
+        return None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matched.pop(request.request_id, None)
         if not self.load_enabled:
             return 0, False
-        principal = self._principal(request)
+        salt = getattr(request, "cache_salt", None)
+        tenant = self._tenant(salt)
         tokens = list(request.prompt_token_ids or ())
-        if principal is None or len(tokens) <= self.block_tokens:
+        if tenant is None or salt is None or len(tokens) <= self.block_tokens:
             return 0, False
         # The first output token needs a forward pass over at least one prompt token.
         n_blocks = (len(tokens) - 1) // self.block_tokens
         try:
-            prompt = self.rule.scope(self.cache, principal, tokens, n_blocks)
-            chain = scoped_chain(self.cache, principal, prompt, n_blocks)
-            lookup = self.cache.lookup(principal, chain)
+            cache, principal = tenant.cache, tenant.principal
+            prompt = self.rule.scope(cache, principal, tokens, n_blocks)
+            chain = scoped_chain(cache, principal, prompt, n_blocks)
+            lookup = cache.lookup(principal, chain)
         except AccessDenied:  # revoked or rate-limited principal: served without kvtier
             self.stats["lookup_refused"] += 1
             return 0, False
         decision = load_decision(None, lookup, len(tokens) - lookup.length * self.block_tokens, self.layout)
         hit_tokens = decision.blocks * self.block_tokens
-        self._matched[request.request_id] = _Match(principal, prompt, num_computed_tokens, lookup,
+        self._matched[request.request_id] = _Match(salt, tenant, prompt, num_computed_tokens, lookup,
                                                    decision.blocks, decision.plan)
         self.stats[f"plan:{decision.plan}"] += 1
         if hit_tokens <= num_computed_tokens:
@@ -243,7 +290,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if end > len(block_ids) or start >= end:
                 raise LayoutMismatch(f"request {request.request_id}: {len(block_ids)} blocks allocated, "
                                      f"kvtier planned blocks [{start}, {end})")
-            self._loads_pending.append(BlockJob(request.request_id, match.principal, match.prompt, start, end,
+            self._loads_pending.append(BlockJob(request.request_id, match.salt, match.prompt, start, end,
                                                 tuple(block_ids[start:end]), match.lookup.slice(start, end),
                                                 self.layout.fingerprint))
             self.stats["load_jobs"] += 1
@@ -251,7 +298,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.save_enabled and request.request_id not in self._tracked:
             prompt_blocks = len(match.prompt.tokens) // self.block_tokens
             # Blocks kvtier already holds need no save; the rest are saved once vLLM has computed them.
-            self._tracked[request.request_id] = _Tracked(match.principal, match.prompt, [], match.cached_blocks,
+            self._tracked[request.request_id] = _Tracked(match.salt, match.prompt, [], match.cached_blocks,
                                                          prompt_blocks)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierConnectorMetadata:
@@ -280,7 +327,7 @@ class KvtierConnector(KVConnectorBase_V1):
         end = min(computed_after // self.block_tokens, tr.prompt_blocks, len(tr.block_ids))
         if end <= tr.saved_upto:
             return
-        meta.saves.append(BlockJob(req_id, tr.principal, tr.prompt, tr.saved_upto, end,
+        meta.saves.append(BlockJob(req_id, tr.salt, tr.prompt, tr.saved_upto, end,
                                    tuple(tr.block_ids[tr.saved_upto:end])))
         tr.saved_upto = end
         self.stats["save_jobs"] += 1
@@ -290,6 +337,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # free the blocks right away.
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self.publish_stats()
         return False, None
 
     # =============================================================================================
@@ -308,6 +356,10 @@ class KvtierConnector(KVConnectorBase_V1):
                                      f"[blocks, {heads}, {n}, {c}] {self.layout.dtype}")
         self._layers = {name: kv_caches[name] for name in order}
         self._layer_index = {name: i for i, name in enumerate(order)}
+        # Pages move through kvtier's transfer engine, addressed through these registered views.
+        self._paged = PagedKV([kv_caches[n] for n in order], (heads, n, c), self.layout.torch_dtype,
+                              self._max_step_pages)
+        self.stats["pages_direct" if self._paged.direct else "pages_by_torch_indexing"] = 1
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -316,7 +368,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if not meta.loads:
             return
         self._join_load()  # an async load of an earlier step may still run
-        self._loaded = []
+        self._loads = []
         self._load_thread = threading.Thread(target=self._load_guarded, args=(meta.loads, meta.async_loads),
                                              name="kvtier-vllm-load", daemon=True)
         self._load_thread.start()
@@ -339,27 +391,34 @@ class KvtierConnector(KVConnectorBase_V1):
             raise exc
 
     def _load(self, jobs: Sequence[BlockJob], scatter_all: bool) -> None:
-        loaded: list[tuple[BlockJob, list[torch.Tensor]]] = []
+        """Read each job's blocks (the load thread), then queue them into the pages layer by layer.
+        ``scatter_all`` (async loads): wait until every layer's copy has completed."""
+        assert self._paged is not None, "start_load_kv before register_kv_caches"
+        loads: list[tuple[BlockJob, LayerLoad]] = []
         invalid: set[int] = set()
         error: BaseException | None = None
         counts: Counter[str] = Counter()
         for job in jobs:
             try:
-                chain = scoped_chain(self.cache, job.principal, job.prompt, job.end)
+                tenant = self.source.for_salt(job.salt)
+                if tenant is None:
+                    raise AccessDenied(f"request {job.req_id}: its salt no longer resolves")
+                chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
                 # The scheduler's lookup is this worker's only when both derive keys with one layout.
                 found = job.found if job.layout_fp == self.layout.fingerprint else None
-                blocks = self.cache.load(job.principal, chain[job.start : job.end], lookup=found)
+                blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], lookup=found)
             except (AccessDenied, TierUnavailable) as exc:  # refused or unreachable: vLLM recomputes them
                 blocks, error = [], exc
                 counts[f"load_error:{type(exc).__name__}"] += 1
             data = [b.data for b in blocks]
+            counts["loaded_blocks"] += len(data)
             invalid.update(job.block_ids[len(data):])
-            loaded.append((job, data))
-        if scatter_all:
-            for name in self._layers:
-                self._scatter(name, loaded)
+            loads.append((job, self._paged.load(data, job.block_ids[: len(data)])))
+        if scatter_all:  # an async load is finished only when its copies have completed
+            for _, ld in loads:
+                ld.wait()
         with self._lock:
-            self._loaded = loaded
+            self._loads = loads
             self._invalid_blocks |= invalid
             if error is not None:
                 self.last_load_error = error
@@ -367,16 +426,6 @@ class KvtierConnector(KVConnectorBase_V1):
             if scatter_all:
                 self._finished_recving |= {job.req_id for job in jobs}
             self.stats["load_failed_blocks"] += len(invalid)
-
-    def _scatter(self, layer_name: str, loaded: Sequence[tuple[BlockJob, list[torch.Tensor]]]) -> None:
-        li = self._layer_index[layer_name]
-        dst = self._layers[layer_name]
-        for job, data in loaded:
-            if not data:
-                continue
-            ids = torch.tensor(job.block_ids[: len(data)], dtype=torch.long, device=dst.device)
-            pages = torch.stack([d[li] for d in data]).to(dst.device, non_blocking=True)
-            dst[ids] = pages
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self.has_connector_metadata():
@@ -386,18 +435,23 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         if layer_name in self._scattered or layer_name not in self._layer_index:
             return
-        self._join_load()
-        self._scatter(layer_name, self._loaded)
+        self._join_load()  # the read is done and every layer's copy queued
+        li = self._layer_index[layer_name]
+        for _, ld in self._loads:
+            ld.wait_layer(li)  # this layer only: later layers may still be copying
         self._scattered.add(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        if not meta.saves or self._paged is None or layer_name not in self._layer_index:
+            return
+        li = self._layer_index[layer_name]
         for i, job in enumerate(meta.saves):
-            ids = torch.tensor(job.block_ids, dtype=torch.long, device=kv_layer.device)
-            # The gather copies the pages out now: after this step vLLM may reuse the blocks.
-            self._save_pages.setdefault(i, {})[layer_name] = kv_layer[ids].to("cpu", non_blocking=False)
+            # Queued behind this layer's compute on the copy stream, through the registered view
+            # (not ``kv_layer``); nothing here waits for it. wait_for_save waits once per step.
+            self._gathers.setdefault(i, [None] * len(self._layer_index))[li] = self._paged.gather(li, job.block_ids)
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
@@ -408,25 +462,46 @@ class KvtierConnector(KVConnectorBase_V1):
         if meta.loads and not meta.async_loads:
             for name in self._layer_index:
                 self.wait_for_layer_load(name)
-        pages, self._save_pages = self._save_pages, {}
+        gathers, self._gathers = self._gathers, {}
         for i, job in enumerate(meta.saves):
-            per_layer = pages.get(i, {})
-            if len(per_layer) != len(self._layer_index):
-                self.stats["save_incomplete"] += 1
+            per_layer = gathers.get(i, [])
+            if not per_layer or any(g is None for g in per_layer):
+                for g in per_layer:
+                    if g is not None:
+                        g.release()
+                with self._lock:
+                    self.stats["save_incomplete"] += 1
                 continue
-            stacked = torch.stack([per_layer[name] for name in self._layer_index], dim=1)  # [n, L, H, N, C]
-            tensors = [stacked[j].contiguous() for j in range(stacked.shape[0])]
-            chain = scoped_chain(self.cache, job.principal, job.prompt, job.end)
+            assert self._paged is not None
+            # The pages are in host staging once their events have fired: vLLM may reuse the
+            # blocks after this returns, and storing them happens off the step, on the saver.
+            self._saver.submit(job, self._paged.blocks([g for g in per_layer if g is not None]))
+        self.publish_stats()
+
+    def flush_saves(self) -> None:
+        """Wait until every block handed to the saver has been stored (tests, shutdown)."""
+        self._saver.flush()
+
+    def _save_job(self, job: BlockJob, tensors: list[torch.Tensor]) -> Counter[str]:
+        """Store one save job's blocks (on the saver thread); what happened, as counters."""
+        out: Counter[str] = Counter()
+        try:
+            tenant = self.source.for_salt(job.salt)
+            if tenant is None:
+                raise AccessDenied(f"request {job.req_id}: its salt no longer resolves")
+            chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
             if len(chain) < job.end:  # the principal has no private scope: nothing to save
-                continue
+                return out
             public = job.prompt.public_blocks
             first = max(job.start, public)  # public blocks are published, never written for a request
-            try:
-                report = self.cache.save(job.principal, chain, tensors[first - job.start :], start=first)
-            except AccessDenied:
-                self.stats["save_refused"] += 1
-                continue
-            self.stats["saved_blocks"] += report.offered
+            report = tenant.cache.save(tenant.principal, chain, tensors[first - job.start :], start=first)
+        except TierUnavailable:
+            out["save_unavailable"] += 1
+        except AccessDenied:
+            out["save_refused"] += 1
+        else:
+            out["saved_blocks"] += report.offered
+        return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._load_thread is not None and not self._load_thread.is_alive():
@@ -444,6 +519,25 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._join_load()
+        self._saver.close()
+        if self._paged is not None:
+            self._paged.close()
+        self.publish_stats(force=True)
+
+    def publish_stats(self, *, force: bool = False) -> None:
+        """Write this process's counters to its stats file (whole file or nothing; at most every
+        0.2 s unless forced)."""
+        if self._stats_path is None or (not force and time.monotonic() - self._stats_written < 0.2):
+            return
+        self._stats_written = time.monotonic()
+        tmp = f"{self._stats_path}.tmp"
+        with self._lock:
+            counters = dict(self.stats)
+        counters["saves_pending"] = self._saver.pending
+        counters.update({f"tier_error:{cause}": n for cause, n in self.source.errors().items()})
+        with open(tmp, "w") as f:
+            json.dump(counters, f)
+        os.replace(tmp, self._stats_path)
 
 
 __all__ = ["BlockJob", "KvtierConnector", "KvtierConnectorMetadata", "layout_from_vllm"]

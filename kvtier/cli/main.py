@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "reload-vs-recompute": ("benchmarks.reload_vs_recompute", "measure reload vs recompute and score the cost model"),
     "e2e": ("benchmarks.e2e", "end-to-end scenario: TTFT cold vs warm with a real transformer"),
     "daemon": ("benchmarks.daemon", "load test of the gRPC daemon with byte-for-byte verification"),
+    "vllm": ("benchmarks.vllm_bench", "TTFT of vllm serve with kvtier through the daemon vs without it (CPU)"),
     "gpu": ("benchmarks.gpu_bench", "transfer engine d2h/h2d throughput vs raw pinned and pageable torch copies"),
 }
 

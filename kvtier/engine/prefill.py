@@ -19,6 +19,8 @@ from transformers import DynamicCache, PreTrainedModel
 from kvtier.block import Block
 from kvtier.errors import LayoutMismatch
 from kvtier.layout import KVLayout
+from kvtier.transfer.device import TransferConfig
+from kvtier.transfer.engine import TransferEngine
 
 PastBlock = torch.Tensor | Block
 
@@ -74,6 +76,9 @@ class PrefillRunner:
         self.layout = layout
         self.vocab_size: int = cfg.vocab_size
         self.max_positions: int = cfg.max_position_embeddings
+        #: Where the model computes: loaded blocks are moved there through the transfer engine.
+        self.device: torch.device = next(model.parameters()).device
+        self._engine: TransferEngine | None = None
 
     # -- the call -------------------------------------------------------------------------------
     def prefill(
@@ -106,13 +111,38 @@ class PrefillRunner:
 
     # -- blocks <-> cache -----------------------------------------------------------------------
     def cache_from_blocks(self, blocks: Sequence[torch.Tensor]) -> DynamicCache:
-        """The model's cache holding ``blocks`` back to back (one copy into the cache's layout)."""
+        """The model's cache holding ``blocks`` back to back, on the model's device."""
         n_layers, _, bt, heads, dim = self.layout.block_shape
         tokens = len(blocks) * bt
         # [n, L, 2, bt, H, D] -> [L, 2, H, n, bt, D] -> [L, 2, H, T, D]; reshape materialises once.
-        kv = torch.stack(list(blocks)).permute(1, 2, 4, 0, 3, 5).reshape(n_layers, 2, heads, tokens, dim)
+        kv = self.to_device(blocks).permute(1, 2, 4, 0, 3, 5).reshape(n_layers, 2, heads, tokens, dim)
         layers = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(n_layers)]
         return DynamicCache(ddp_cache_data=layers, config=self.model.config)
+
+    def to_device(self, blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``[n, *block_shape]`` on the model's device, moved through kvtier's TransferEngine: each
+        block is written once into (pinned, on CUDA) staging and copied on the engine's h2d stream,
+        ending in an event; on a CPU model the same code runs with CPU tensors."""
+        n = len(blocks)
+        out = torch.empty((n, *self.layout.block_shape), dtype=self.layout.torch_dtype, device=self.device)
+        if n == 0:
+            return out
+        engine = self._transfer_engine()
+        page = blocks[0].numel() * blocks[0].element_size()
+        per = max(1, engine.config.buffer_bytes // page)
+        for a in range(0, n, per):
+            chunk = blocks[a : a + per]
+            lease = engine.reserve(len(chunk) * page)
+            rows = lease.rows(page)
+            for i, b in enumerate(chunk):
+                rows[i].copy_(b.detach().reshape(-1).view(torch.uint8))
+            engine.scatter(lease, out, range(a, a + len(chunk))).wait()
+        return out
+
+    def _transfer_engine(self) -> TransferEngine:
+        if self._engine is None:
+            self._engine = TransferEngine(self.device, TransferConfig(buffer_bytes=16 << 20, n_buffers=2))
+        return self._engine
 
     def blocks_from_cache(self, cache: DynamicCache, start: int, end: int) -> list[torch.Tensor]:
         """KV of the full blocks in token range ``[start, end)`` (``start`` block-aligned) as block tensors."""

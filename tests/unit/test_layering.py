@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "kvtier.store": {CORE},
     "kvtier.transfer": {CORE},
     "kvtier.rpc": {CORE},
-    "kvtier.engine": {CORE},
+    "kvtier.engine": {CORE, "kvtier.transfer"},
     "kvtier.security": {CORE, "kvtier.store"},
     "kvtier.planning": {CORE, "kvtier.store"},
     "kvtier.cache": {CORE, "kvtier.store", "kvtier.security"},

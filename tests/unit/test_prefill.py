@@ -139,3 +139,13 @@ def test_block_extraction_must_be_aligned(runner: PrefillRunner, full) -> None:
     cache = runner.cache_from_blocks(full.new_blocks[:2])
     with pytest.raises(ValueError, match="block boundary"):
         runner.blocks_from_cache(cache, 3, 32)
+
+
+def test_loaded_blocks_reach_the_models_device_through_the_transfer_engine(runner: PrefillRunner, full) -> None:
+    """Whatever the model's device is (CUDA when present, else the CPU), reloaded blocks land there,
+    byte for byte, moved by the transfer engine (its staging was used)."""
+    blocks = full.new_blocks[:3]
+    moved = runner.to_device(blocks)
+    assert moved.device == runner.device == next(runner.model.parameters()).device
+    assert all(torch.equal(m.cpu(), b) for m, b in zip(moved, blocks, strict=True))
+    assert runner._engine is not None, "the blocks went through the transfer engine"

@@ -42,8 +42,9 @@ from vllm.v1.request import Request
 from connectors.identity import mint_salt
 from connectors.provision import forget_shared_caches
 from connectors.vllm_connector import KvtierConnector
+from connectors.vllm_pages import PagedKV
 from kvtier.cache.kv_cache import RequestSegment
-from kvtier.errors import LayoutMismatch
+from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.keys import ScopeKind
 from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Principal
 
@@ -67,6 +68,7 @@ def _fresh_caches() -> Iterator[None]:
 def salt_key_file(tmp_path: Path) -> str:
     p = tmp_path / "salt.key"
     p.write_bytes(SALT_KEY.hex().encode())
+    p.chmod(0o600)  # a key file: the secret-file rule applies
     return str(p)
 
 
@@ -85,6 +87,9 @@ def vllm_config(salt_key_file: str, **extra: Any) -> VllmConfig:
     config = VllmConfig(kv_transfer_config=kt, cache_config=CacheConfig(block_size=BLOCK))
     # The connector supports one full-attention KV group, as vLLM requires of non-HMA connectors.
     config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    # This suite builds both connector roles in one process, as vLLM's uniprocess executor does
+    # (the in-memory factory cache is refused under the multiprocess one: see the test below).
+    config.parallel_config.distributed_executor_backend = "uni"
     return config
 
 
@@ -166,6 +171,7 @@ def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: i
         w.wait_for_layer_load(name)
         w.save_kv_layer(name, eng.kv[name], None)
     w.wait_for_save()
+    w.flush_saves()  # saves are stored off the step, on the saver thread
     invalid = w.get_block_ids_with_load_errors()
     _, recving = w.get_finished(set())
     w.clear_connector_metadata()
@@ -228,7 +234,7 @@ def test_another_tenant_and_forged_or_missing_salts_get_nothing(salt_key_file: s
     run_prefill(eng, request("r1", tokens, mint_salt(SALT_KEY, "acme", "alice")), list(range(6)), fill_seed=2)
     other = eng.scheduler.get_num_new_matched_tokens(request("r2", tokens, mint_salt(SALT_KEY, "globex", "bob")), 0)
     assert other == (0, False)
-    forged = "kvs1:acme/alice:" + "0" * 64  # names alice, but the MAC is not the deployment's
+    forged = "kvs2:acme:alice:" + "0" * 32  # names alice, but the MAC is not the deployment's
     assert eng.scheduler.get_num_new_matched_tokens(request("r3", tokens, forged), 0) == (0, False)
     wrong_key = mint_salt(b"another-deployment-salt-key-0123456789ab", "acme", "alice")
     assert eng.scheduler.get_num_new_matched_tokens(request("r4", tokens, wrong_key), 0) == (0, False)
@@ -258,6 +264,7 @@ def test_local_prefix_hit_loads_only_the_blocks_after_it(salt_key_file: str) -> 
     for name in LAYER_NAMES:
         eng.worker.wait_for_layer_load(name)
     eng.worker.wait_for_save()
+    eng.worker.flush_saves()
     assert eng.worker.get_block_ids_with_load_errors() == set()
     eng.worker.clear_connector_metadata()
     assert same_bytes(pages(eng, [40, 41, 42]), saved)
@@ -271,7 +278,7 @@ def test_blocks_lost_after_lookup_are_reported_and_not_written(salt_key_file: st
     req = request("r2", tokens, salt)
     assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
     # Between the scheduler's lookup and the worker's load, blocks 2.. vanish from every tier.
-    cache = eng.scheduler.cache
+    cache = eng.scheduler.source.cache
     principal = Principal("acme", "alice")
     chain = cache.chain(principal, [RequestSegment(tokens[: 4 * BLOCK], ScopeKind.USER)])
     cache.store.delete([c.key for c in chain[2:]])
@@ -283,6 +290,7 @@ def test_blocks_lost_after_lookup_are_reported_and_not_written(salt_key_file: st
     for name in LAYER_NAMES:
         eng.worker.wait_for_layer_load(name)
     eng.worker.wait_for_save()
+    eng.worker.flush_saves()
     assert eng.worker.get_block_ids_with_load_errors() == {32, 33}
     eng.worker.clear_connector_metadata()
     assert all(not t[torch.tensor([32, 33])].any() for t in eng.kv.values())  # untouched zeros
@@ -308,7 +316,7 @@ def test_async_load_reports_through_get_finished(salt_key_file: str) -> None:
 
 def test_public_registry_shares_a_published_document_across_tenants(salt_key_file: str) -> None:
     eng = make_engine(vllm_config(salt_key_file, scope_rule="public-registry"))
-    cache = eng.scheduler.cache
+    cache = eng.scheduler.source.cache
     doc = prompt(4 * BLOCK, base=11)
     publisher = Principal("ops", "publisher", roles=frozenset({ROLE_PUBLISH_PUBLIC}))
     chain = cache.chain(publisher, [RequestSegment(doc, ScopeKind.PUBLIC)])
@@ -361,3 +369,37 @@ def test_wrong_paged_kv_shape_is_refused(salt_key_file: str) -> None:
         worker.register_kv_caches(bad)
     with pytest.raises(LayoutMismatch):
         worker.register_kv_caches({LAYER_NAMES[0]: paged_kv()[LAYER_NAMES[0]]})
+
+
+def test_an_in_process_cache_is_refused_under_the_multiprocess_executor(salt_key_file: str) -> None:
+    """The scheduler and the workers would each open their own memory cache: refused at start-up,
+    with the fix named, instead of silently finding nothing."""
+    config = vllm_config(salt_key_file)
+    config.parallel_config.distributed_executor_backend = "mp"
+    with pytest.raises(ConfigError, match=r"kvtier\.cache=daemon"):
+        KvtierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_pages_move_through_the_transfer_engine_where_the_layout_allows(salt_key_file: str) -> None:
+    """Layouts whose pages are one contiguous [H, N, C] run go through kvtier's TransferEngine
+    (staging, events); the others through torch indexing, said in the worker's counters."""
+    direct = make_engine(vllm_config(salt_key_file), KVCacheLayout.BLHNC)
+    assert direct.worker.stats["pages_direct"] == 1 and direct.worker._paged.direct
+    other = make_engine(vllm_config(salt_key_file), KVCacheLayout.LBNHC)
+    assert other.worker.stats["pages_by_torch_indexing"] == 1 and not other.worker._paged.direct
+
+
+def test_a_load_larger_than_one_staging_buffer_goes_in_batches() -> None:
+    """A load covers a whole cached prefix, which may be far more pages than one step saves (what
+    the staging buffers are sized for): it is queued in batches, and every page lands."""
+    kv = paged_kv()
+    views = [kv[n] for n in LAYER_NAMES]
+    paged = PagedKV(views, tuple(views[0].shape[1:]), views[0].dtype, max_step_pages=2)
+    per = paged.engine.config.buffer_bytes // paged.page_bytes
+    n = 3 * per + 1  # four batches
+    gen = torch.Generator().manual_seed(3)
+    data = [torch.randn((LAYERS, *paged.page_shape), generator=gen).to(paged.dtype) for _ in range(n)]
+    paged.load(data, list(range(1, n + 1))).wait()
+    for layer, name in enumerate(LAYER_NAMES):
+        assert all(torch.equal(kv[name][1 + i], d[layer]) for i, d in enumerate(data))
+    paged.close()

@@ -1,0 +1,155 @@
+"""vLLM's paged KV as the worker's connector moves it: through kvtier's TransferEngine.
+
+vLLM registers one view per attention layer, ``[num_blocks, H, N, C]``; a kvtier block is one block
+id across all layers, ``[layers, H, N, C]``. ``PagedKV`` holds the registered views (pages are
+always addressed through them, never through a tensor passed in later) and a ``TransferEngine``:
+
+- save: ``gather(layer, ids)`` queues a copy of that layer's pages into pinned staging on the
+  copy stream, after the work already queued on the compute stream, and returns at once (the
+  forward pass does not wait per layer); ``blocks(gathers)`` waits for their events, once per step,
+  and assembles host blocks; the staging goes back to the pool.
+- load: ``load(data, ids)`` queues host blocks into the pages layer by layer, each layer with its
+  own completion, so the forward pass waits for layer ``l`` only (``wait_layer``) while later
+  layers still copy.
+
+Without CUDA the same code runs on CPU tensors (copies happen at submission, completions are done
+from the start). Layouts whose pages are not one contiguous run in ``[H, N, C]`` order (vLLM's
+LBNHC, LHBNC, ...) cannot be moved as raw rows: for those the pages move with torch indexing,
+and ``direct`` is False (counted by the connector).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import TransferError
+from kvtier.transfer.copiers import page_rows
+from kvtier.transfer.device import TransferConfig
+from kvtier.transfer.engine import LayerwiseLoad, Transfer, TransferEngine
+
+
+@dataclass(slots=True)
+class Gathered:
+    """One layer's pages of one save, on their way to host memory."""
+
+    transfer: Transfer | None  # the engine's copy into staging (direct layouts)
+    host: torch.Tensor | None  # already on the host (other layouts)
+    n: int
+
+    def wait(self) -> None:
+        if self.transfer is not None:
+            self.transfer.wait()
+
+    def release(self) -> None:
+        if self.transfer is not None:
+            self.transfer.release()
+            self.transfer = None
+
+
+class PagedKV:
+    """The worker's registered views and the transfer engine that moves their pages.
+
+    Invariants: ``views`` are the tensors vLLM registered, in layer order, all on one device with
+    one page shape; staging is bounded by the engine (sized so one step's saves of every layer fit
+    at once, ``max_step_pages`` pages per layer). Used from the model runner's thread, except
+    ``load``, which the load thread calls.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], page_shape: tuple[int, ...], dtype: torch.dtype,
+                 max_step_pages: int) -> None:
+        self.views = list(views)
+        self.page_shape = page_shape
+        self.dtype = dtype
+        device = self.views[0].device
+        self.page_bytes = self.views[0][0].numel() * self.views[0].element_size()
+        self.direct = all(_rows_ok(v) for v in self.views)
+        layers = len(self.views)
+        pages = max(1, max_step_pages, layers)  # one buffer: a step's pages of one layer
+        # Every layer's gather of one step is outstanding until wait_for_save, plus room for a load.
+        self.engine = TransferEngine(device, TransferConfig(buffer_bytes=pages * self.page_bytes,
+                                                            n_buffers=layers + 4, max_pages=pages))
+
+    # -- save ---------------------------------------------------------------------------------------
+    def gather(self, layer: int, ids: Sequence[int]) -> Gathered:
+        view = self.views[layer]
+        if self.direct:
+            return Gathered(self.engine.gather(view, list(ids)), None, len(ids))
+        index = torch.tensor(list(ids), dtype=torch.long, device=view.device)
+        return Gathered(None, view[index].to("cpu"), len(ids))
+
+    def blocks(self, per_layer: Sequence[Gathered]) -> list[torch.Tensor]:
+        """Host blocks ``[layers, H, N, C]`` from one save's gathers (one per layer, in order)."""
+        n = per_layer[0].n
+        out = torch.empty((n, len(per_layer), *self.page_shape), dtype=self.dtype)
+        flat = out.view(n, len(per_layer), -1).view(torch.uint8)
+        try:
+            for layer, g in enumerate(per_layer):
+                g.wait()
+                if g.transfer is not None:
+                    flat[:, layer, :].copy_(g.transfer.host_rows())
+                else:
+                    assert g.host is not None
+                    out[:, layer] = g.host
+        finally:
+            for g in per_layer:
+                g.release()
+        return list(out.unbind(0))
+
+    # -- load ---------------------------------------------------------------------------------------
+    def load(self, data: Sequence[torch.Tensor], ids: Sequence[int]) -> LayerLoad:
+        """Queue host blocks into pages ``ids``, layer by layer (in batches of what one staging
+        buffer holds: a load may cover a whole cached prefix, far more than one step's pages)."""
+        if not data:
+            return LayerLoad([], self.views, [], [])
+        if not self.direct:
+            return LayerLoad([], self.views, list(ids), list(data))
+        per = max(1, self.engine.config.buffer_bytes // self.page_bytes)
+        loads = []
+        for a in range(0, len(data), per):
+            src = torch.stack(list(data[a : a + per]))  # [n, layers, H, N, C], contiguous
+            loads.append(self.engine.load_layers(src, self.views, list(ids[a : a + per])))
+        return LayerLoad(loads, self.views, [], [])
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class LayerLoad:
+    """Per-layer readiness of a load into the pages: ``wait_layer(l)`` returns once layer ``l`` is
+    in place (and the engine's compute stream will see it); ``wait()`` once every layer is."""
+
+    def __init__(self, layerwise: list[LayerwiseLoad], views: Sequence[torch.Tensor], ids: list[int],
+                 data: list[torch.Tensor]) -> None:
+        self._layerwise = layerwise
+        self._views = views
+        self._ids = ids
+        self._data = data
+        self._done: set[int] = set()
+
+    def wait_layer(self, layer: int) -> None:
+        if layer in self._done:
+            return
+        if self._layerwise:
+            for ld in self._layerwise:
+                ld.wait_layer(layer)
+        elif self._data:  # torch indexing for layouts the engine cannot move as rows
+            view = self._views[layer]
+            index = torch.tensor(self._ids, dtype=torch.long, device=view.device)
+            view[index] = torch.stack([d[layer] for d in self._data]).to(view.device)
+        self._done.add(layer)
+
+    def wait(self) -> None:
+        for layer in range(len(self._views)):
+            self.wait_layer(layer)
+
+
+
+def _rows_ok(view: torch.Tensor) -> bool:
+    try:
+        page_rows(view)
+    except TransferError:
+        return False
+    return True
