@@ -23,6 +23,7 @@ SUITES = {"vllm": "tests/engines/vllm_suite", "sglang": "tests/engines/sglang_su
           "vllmcpu": "tests/engines/vllm_engine"}
 
 
+@pytest.mark.timeout(1300)  # the running-engine suite starts several vLLM engines (minutes on 2 cores)
 @pytest.mark.parametrize("engine", sorted(SUITES))
 def test_engine_suite_passes_in_its_venv(engine: str) -> None:
     python = ROOT / f".venv-{engine}" / "bin" / "python"
