@@ -35,10 +35,12 @@ from benchmarks.trace import (
     ISOLATIONS,
     SEED_SOURCES,
     TRACE_BLOCK_TOKENS,
+    MooncakeScenario,
     Scenario,
     SeedScenario,
     open_source,
 )
+from benchmarks.workloads import DEFAULT_SEED, WORKLOADS, generate
 from kvtier.errors import ConfigError
 from kvtier.store.eviction import POLICIES
 
@@ -53,12 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "                  question, one trust group\n"
         "  seed-isolated   the same requests, each user's cache isolated\n"
         "  seed-segmented  the same requests, document public, questions private\n"
+        "--workload NAME replays a generated trace instead (benchmarks/workloads.py, seed --seed):\n"
+        "  conversations   multi-turn chats with growing prefixes\n"
+        "  toolagent       agent loops sharing long tool definitions\n"
+        "  shared-docs     the seed's shared-document scenario at scale (300 documents, 150 users)\n"
         "Capacities (--capacity-blocks, --tiers) are a block count, a percentage of the workload's\n"
         "unique blocks (e.g. 5%), or inf. --tiers lists levels fastest first, KIND:CAPACITY,\n"
         "comma-separated, e.g. memory:5%,lmdb:20%. Kinds: memory, lmdb.\n"
         "Rule: only full blocks are cached; hit tokens = block_tokens x leading blocks found.\n"
     )
     parser.add_argument("--trace", default="mooncake", metavar="SOURCE", help="trace file or scenario (see below)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated trace instead of --trace")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"--workload seed (default {DEFAULT_SEED})")
     parser.add_argument("--json", required=True, type=Path, metavar="PATH", help="write results as JSON here")
     parser.add_argument("--policy", default="lru", help=f"eviction policy: {', '.join(sorted(POLICIES))}")
     cap = parser.add_mutually_exclusive_group()
@@ -77,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model KV bytes per token for 'bytes moved' (default: Llama-3-8B shape, 131072)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--sweep", action="store_true",
-                      help="policies lru, prefix-aware, cost-aware at 1, 5, 20, 50%% of unique blocks")
+                      help="every eviction policy and Belady MIN at 1, 5, 20, 50%% of unique blocks")
     what.add_argument("--isolation-table", action="store_true",
                       help="token hit rate of the seed scenario and the trace under each isolation rule")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="sweep plot (default: next to the JSON)")
@@ -107,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--users must be positive, got {args.users}")
     if args.plot is not None and not args.sweep:
         raise ConfigError("--plot applies to --sweep only")
+    if args.workload and args.isolation_table:
+        raise ConfigError("--isolation-table compares the seed scenario and --trace; drop --workload")
     if args.isolation is not None and args.isolation_table:
         raise ConfigError("--isolation-table compares every isolation rule; drop --isolation")
     show = not args.quiet
@@ -121,8 +131,13 @@ def run(args: argparse.Namespace) -> int:
         out = {"isolation_table": isolation_table(sources, config, show_progress=show)}
         text = format_isolation(out["isolation_table"])  # type: ignore[arg-type]
     else:
-        scenario, default_iso = open_source(args.trace, users=args.users, limit=args.limit)
-        name = args.trace if args.trace in SEED_SOURCES else Path(args.trace).name
+        if args.workload:
+            trace = generate(args.workload, args.seed)
+            scenario, default_iso = MooncakeScenario(trace, users=args.users, limit=args.limit), "shared"
+            name = trace.source
+        else:
+            scenario, default_iso = open_source(args.trace, users=args.users, limit=args.limit)
+            name = args.trace if args.trace in SEED_SOURCES else Path(args.trace).name
         wl = build_workload(scenario, name, args.isolation or default_iso, _block_tokens(args, args.trace),
                             MODES[mode], show_progress=show)
         if args.sweep:

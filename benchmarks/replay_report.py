@@ -14,18 +14,24 @@ from benchmarks.trace import (
     ISOLATIONS,
     Scenario,
 )
+from kvtier.store.eviction import POLICIES
 
-SWEEP_POLICIES = ("lru", "prefix-aware", "cost-aware")
+_ORDER = ("lru", "arc", "s3-fifo", "prefix-aware", "cost-aware", "chain-arc", "adaptive")
+#: Every registered policy: the generic baselines, the chain-aware ones, then the adaptive one.
+SWEEP_POLICIES = tuple(p for p in _ORDER if p in POLICIES) + tuple(sorted(set(POLICIES) - set(_ORDER)))
 SWEEP_PERCENTS = (1.0, 5.0, 20.0, 50.0)
+#: The generic policies an adaptive one must never lose to (issue 18): its rate over their best.
+GENERIC_POLICIES = ("lru", "arc", "s3-fifo")
+ADAPTIVE_POLICY = "adaptive"
 
 
 def sweep(workload: Workload, *, mode: str = "meta", bytes_per_token: int = REFERENCE_BYTES_PER_TOKEN,
-          show_progress: bool = True) -> dict[str, object]:
+          show_progress: bool = True, policies: Sequence[str] = SWEEP_POLICIES) -> dict[str, object]:
     """Every policy at 1, 5, 20 and 50 % of the workload's unique blocks (one memory tier)."""
     rows: list[dict[str, object]] = []
     for pct in SWEEP_PERCENTS:
         cap = Capacity(percent=pct)
-        for policy in SWEEP_POLICIES:
+        for policy in policies:
             cfg = ReplayConfig(policy, (TierSpec("memory", cap),), mode, bytes_per_token)
             r = replay(workload, cfg, show_progress=show_progress)
             rows.append({
@@ -55,6 +61,7 @@ def sweep(workload: Workload, *, mode: str = "meta", bytes_per_token: int = REFE
         "ideal_token_hit_rate": ideal,
         "rows": rows,
         "best_vs_lru": _best_vs_lru(rows),
+        "adaptive_vs_generic": _adaptive_vs_generic(rows),
         "belady_min": offline,
     }
 
@@ -67,6 +74,20 @@ def _best_vs_lru(rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:
         lru = at["lru"]
         out.append({"capacity_percent": pct, "best_policy": best, "best": at[best], "lru": lru,
                     "relative_gain": (at[best] / lru - 1) if lru else math.inf})
+    return out
+
+
+def _adaptive_vs_generic(rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+    """The adaptive policy against the best of the generic ones (LRU, ARC, S3-FIFO), per capacity."""
+    out = []
+    for pct in sorted({float(r["capacity_percent"]) for r in rows}):
+        at = {r["policy"]: float(r["token_hit_rate"]) for r in rows if r["capacity_percent"] == pct}
+        if ADAPTIVE_POLICY not in at or not all(p in at for p in GENERIC_POLICIES):
+            continue
+        best = max(GENERIC_POLICIES, key=lambda p: at[p])
+        out.append({"capacity_percent": pct, "best_generic": best, "best_generic_rate": at[best],
+                    "adaptive": at[ADAPTIVE_POLICY],
+                    "relative": (at[ADAPTIVE_POLICY] / at[best] - 1) if at[best] else 0.0})
     return out
 
 
@@ -148,19 +169,24 @@ def format_run(r: dict[str, object]) -> str:
 
 def format_sweep(s: dict[str, object]) -> str:
     rows: list[dict[str, object]] = s["rows"]  # type: ignore[assignment]
-    head = (f"{'capacity':>9}{'blocks':>9}" + "".join(f"{p:>14}" for p in SWEEP_POLICIES) + f"{'best/LRU':>10}"
-            f"{'Belady MIN':>12}")
+    policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
+    head = (f"{'capacity':>9}{'blocks':>9}" + "".join(f"{p:>13}" for p in policies) + f"{'best/LRU':>10}"
+            f"{'adapt/gen':>10}{'Belady MIN':>12}")
     lines = [f"token hit rate by policy and capacity: {s['source']} ({s['requests']:,} requests, "
              f"{s['unique_blocks']:,} unique blocks of {s['block_tokens']} tokens)", head]
     gains = {float(g["capacity_percent"]): g for g in s["best_vs_lru"]}  # type: ignore[union-attr]
+    versus = {float(g["capacity_percent"]): float(g["relative"]) for g in s.get("adaptive_vs_generic", [])}  # type: ignore[union-attr]
     offline = {float(o["capacity_percent"]): float(o["token_hit_rate"]) for o in s["belady_min"]}  # type: ignore[union-attr]
     for pct in SWEEP_PERCENTS:
         at = {r["policy"]: r for r in rows if r["capacity_percent"] == pct}
         blocks = next(iter(at.values()))["capacity_blocks"]
-        cells = "".join(f"{float(at[p]['token_hit_rate']):>14.4f}" for p in SWEEP_POLICIES)
+        cells = "".join(f"{float(at[p]['token_hit_rate']):>13.4f}" for p in policies)
         gain = float(gains[pct]["relative_gain"])
-        lines.append(f"{pct:>8g}%{blocks:>9,}{cells}{gain:>+10.1%}{offline[pct]:>12.4f}")
-    lines.append(f"{'ideal':>9}{'inf':>9}{float(s['ideal_token_hit_rate']):>14.4f}  (unbounded cache)")
+        vs = f"{versus[pct]:>+10.1%}" if pct in versus else f"{'-':>10}"
+        lines.append(f"{pct:>8g}%{blocks:>9,}{cells}{gain:>+10.1%}{vs}{offline[pct]:>12.4f}")
+    lines.append(f"{'ideal':>9}{'inf':>9}{float(s['ideal_token_hit_rate']):>13.4f}  (unbounded cache)")
+    lines.append("best/LRU: best policy other than LRU over LRU; adapt/gen: adaptive over the best of lru, arc, "
+                 "s3-fifo")
     lines.append("Belady MIN: offline, reads the future (farthest next use evicted); a yardstick, not a policy")
     return "\n".join(lines)
 
@@ -187,7 +213,7 @@ def plot_sweep(s: dict[str, object], path: Path) -> None:
 
     rows: list[dict[str, object]] = s["rows"]  # type: ignore[assignment]
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for policy in SWEEP_POLICIES:
+    for policy in dict.fromkeys(str(r["policy"]) for r in rows):
         pts = sorted((float(r["capacity_percent"]), float(r["token_hit_rate"])) for r in rows if r["policy"] == policy)
         ax.plot([p for p, _ in pts], [h for _, h in pts], marker="o", label=policy)
     offline = sorted((float(o["capacity_percent"]), float(o["token_hit_rate"])) for o in s["belady_min"])  # type: ignore[union-attr]

@@ -256,7 +256,7 @@ class MemoryTierConfig:
     """The daemon's CPU RAM tier."""
 
     capacity_bytes: int = _f(MISSING, "Host RAM for cached blocks, in bytes. Required.", check=positive)
-    policy: str = _f("lru", "Eviction policy.", check=one_of(_eviction_policies))
+    policy: str = _f("adaptive", "Eviction policy.", check=one_of(_eviction_policies))
 
 
 @dataclass(slots=True, frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli.main import main
+from kvtier.store.eviction import POLICIES
 
 
 def run_cli(*argv: str) -> int:
@@ -45,12 +46,24 @@ def test_sweep_table_and_plot(tmp_path: Path, capsys):
     out = tmp_path / "sweep.json"
     assert run_cli("--trace", "mooncake", "--limit", "150", "--sweep", "--json", str(out), "--quiet") == 0
     s = json.loads(out.read_text())["sweep"]
-    assert len(s["rows"]) == 12 and len(s["best_vs_lru"]) == 4
-    assert {r["policy"] for r in s["rows"]} == {"lru", "prefix-aware", "cost-aware"}
+    assert len(s["rows"]) == 4 * len(POLICIES) and len(s["best_vs_lru"]) == 4
+    assert {r["policy"] for r in s["rows"]} == set(POLICIES) >= {"lru", "arc", "s3-fifo", "adaptive"}
+    assert [g["capacity_percent"] for g in s["adaptive_vs_generic"]] == [1.0, 5.0, 20.0, 50.0]
+    assert len(s["belady_min"]) == 4
     assert all(r["token_hit_rate"] <= s["ideal_token_hit_rate"] for r in s["rows"])
     png = tmp_path / "sweep.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "best/LRU" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "best/LRU" in text and "Belady MIN" in text
+    assert all(p in text for p in ("lru", "arc", "s3-fifo", "adaptive"))
+
+
+def test_sweep_of_a_generated_workload(tmp_path: Path, capsys):
+    out = tmp_path / "sweep.json"
+    assert run_cli("--workload", "shared-docs", "--limit", "80", "--sweep", "--json", str(out), "--quiet") == 0
+    s = json.loads(out.read_text())["sweep"]
+    assert s["source"] == "shared-docs-seed1" and s["requests"] == 80
+    assert s["ideal_token_hit_rate"] > 0.3
 
 
 def test_isolation_table(tmp_path: Path, capsys):
@@ -80,6 +93,7 @@ def test_isolation_table(tmp_path: Path, capsys):
         (["--trace", "/nonexistent/trace.jsonl"], "not found"),
         (["--plot", "x.png"], "--plot"),
         (["--isolation-table", "--isolation", "shared"], "--isolation"),
+        (["--isolation-table", "--workload", "toolagent"], "--workload"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path: Path, capsys, argv, needle):

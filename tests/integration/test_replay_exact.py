@@ -22,6 +22,9 @@ from benchmarks.trace import (
 )
 from benchmarks.trace import token_stream as tokens
 from kvtier.errors import CorruptRecord
+from kvtier.store.eviction import POLICIES
+from kvtier.store.tiered_store import TieredStore
+from storage_backends.gpu import GpuTier
 
 TRACE = default_trace_path()
 README_SHA256 = "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"
@@ -118,7 +121,7 @@ def test_trace_unbounded_replay_gives_readme_full_block_figure(trace: MooncakeTr
 
 # -- metadata mode == payload mode ------------------------------------------------------------------
 @pytest.mark.parametrize("tiers", ["memory:3%", "memory:3%,lmdb:inf"])
-@pytest.mark.parametrize("policy", ["lru", "prefix-aware", "cost-aware"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_meta_and_payload_modes_agree_on_trace_prefix(trace: MooncakeTrace, policy: str, tiers: str):
     scenario = MooncakeScenario(trace, limit=250)
     results = {}
@@ -134,6 +137,37 @@ def test_meta_and_payload_modes_agree_on_trace_prefix(trace: MooncakeTrace, poli
         for key in ("hit_blocks", "blocks_written", "evictions"):
             assert meta["per_tier"][tier][key] == payload["per_tier"][tier][key], (tier, key)
     assert payload["verified_blocks"] == payload["hit_blocks"] > 0
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "arc", "s3-fifo", "chain-arc"])
+def test_gpu_tier_runs_the_policy_with_the_same_hits_as_replay(trace: MooncakeTrace, policy: str, tmp_path):
+    """The policy inside a GpuTier (its CPU fallback here; the same class on a device) gives the
+    hit counts of the replay's metadata tier: the policy, not the tier, decides what stays."""
+    scenario = MooncakeScenario(trace, limit=250)
+    meta_wl = build_workload(scenario, "mooncake", "shared", 512, MODES["meta"], show_progress=False)
+    cfg = ReplayConfig(policy, parse_tiers("memory:3%"), "meta")
+    meta = replay(meta_wl, cfg, show_progress=False)
+    wl = build_workload(scenario, "mooncake", "shared", 512, MODES["payload"], show_progress=False)
+    rep = Replayer(wl, ReplayConfig(policy, parse_tiers("memory:3%"), "payload"), tmp_path)
+    rep.store.close()
+    cap = Capacity(percent=3.0).resolve(wl.unique_blocks)
+    rep.store = TieredStore([GpuTier(n_slots=cap, slot_bytes=wl.layout.bytes_per_block, policy=policy, device="cpu")])
+    gpu = rep.run()
+    assert meta["per_tier"]["memory"]["evictions"] > 0
+    assert (gpu["hit_tokens"], gpu["hit_blocks"], gpu["evictions"]) == (
+        meta["hit_tokens"], meta["hit_blocks"], meta["evictions"])
+    assert gpu["verified_blocks"] == gpu["hit_blocks"] > 0
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "arc", "s3-fifo", "chain-arc"])
+def test_lmdb_tier_runs_the_policy_under_pressure(trace: MooncakeTrace, policy: str):
+    # LmdbTier asks for all of a batch's room before inserting it: the policies' capacity estimate
+    # must survive that (and every hit is still checked byte for byte).
+    wl = build_workload(MooncakeScenario(trace, limit=120), "mooncake", "shared", 512, MODES["payload"],
+                        show_progress=False)
+    r = replay(wl, ReplayConfig(policy, parse_tiers("memory:1%,lmdb:4%"), "payload"), show_progress=False)
+    assert r["per_tier"]["lmdb"]["evictions"] > 0 and r["per_tier"]["lmdb"]["hit_blocks"] > 0
+    assert r["verified_blocks"] == r["hit_blocks"] and r["hit_tokens"] <= r["ideal_hit_tokens"]
 
 
 def test_meta_and_payload_modes_agree_on_seed_under_pressure():
@@ -163,7 +197,7 @@ def test_belady_reference_bounds_the_online_policies(trace: MooncakeTrace):
     cap = Capacity(percent=5.0)
     best_online = max(
         replay(wl, ReplayConfig(p, (TierSpec("memory", cap),)), show_progress=False)["hit_tokens"]
-        for p in ("lru", "prefix-aware", "cost-aware")
+        for p in sorted(POLICIES)
     )
     assert best_online < oracle.hit_tokens(cap.resolve(wl.unique_blocks) or 0) <= wl.ideal.hit_tokens
 

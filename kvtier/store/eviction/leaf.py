@@ -1,98 +1,12 @@
-"""Eviction policies: small strategies in a registry.
-
-Each policy tracks the entries of one tier and answers one question: which unpinned entry goes
-next. The owning tier serialises all calls (it holds its lock), so policies are not thread-safe.
-"""
+"""Chain-aware heaps over chain leaves: ``prefix-aware`` (LRU among leaves) and ``cost-aware`` (GDSF)."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
-
-
-@dataclass(slots=True, frozen=True)
-class EntryInfo:
-    key: BlockKey
-    parent: BlockKey | None
-    index: int
-    nbytes: int
-
-
-IsPinned = Callable[[BlockKey], bool]
-
-
-class EvictionPolicy(ABC):
-    name: str = ""
-
-    @abstractmethod
-    def insert(self, info: EntryInfo) -> None: ...
-
-    @abstractmethod
-    def touch(self, key: BlockKey) -> None:
-        """The entry was read (a hit)."""
-
-    @abstractmethod
-    def remove(self, key: BlockKey) -> None:
-        """The entry left the tier for any reason other than pop_victim."""
-
-    @abstractmethod
-    def pop_victim(self, is_pinned: IsPinned) -> BlockKey | None:
-        """Remove and return the next entry to evict, skipping pinned ones; None if none is evictable."""
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-
-POLICIES: dict[str, type[EvictionPolicy]] = {}
-
-
-def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
-    POLICIES[cls.name] = cls
-    return cls
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; one of {sorted(POLICIES)}") from None
-
-
-@register
-class LruPolicy(EvictionPolicy):
-    """Least recently used first."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[BlockKey, None] = OrderedDict()
-
-    def insert(self, info: EntryInfo) -> None:
-        self._order[info.key] = None
-        self._order.move_to_end(info.key)
-
-    def touch(self, key: BlockKey) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def remove(self, key: BlockKey) -> None:
-        self._order.pop(key, None)
-
-    def pop_victim(self, is_pinned: IsPinned) -> BlockKey | None:
-        for key in self._order:
-            if not is_pinned(key):
-                del self._order[key]
-                return key
-        return None
-
-    def __len__(self) -> int:
-        return len(self._order)
+from kvtier.store.eviction.base import EntryInfo, EvictionPolicy, IsPinned, register
 
 
 class _LeafHeapPolicy(EvictionPolicy):
@@ -194,6 +108,9 @@ class _LeafHeapPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._e)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._e
 
 
 @register
