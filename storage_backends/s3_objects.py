@@ -9,7 +9,7 @@ was being done.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import botocore.exceptions as bce
@@ -40,19 +40,22 @@ class S3Objects:
         except _ERRORS as exc:
             raise TierUnavailable(f"{self.what}: {what} failed: {type(exc).__name__}") from exc
 
-    def _names(self, prefix: str, keep: Callable[[str], bool] = lambda _name: True) -> list[str]:
-        """Every object name under ``prefix`` that ``keep`` accepts (all pages)."""
-        names: list[str] = []
+    def _objects(self, prefix: str) -> Iterator[dict[str, Any]]:
+        """Every object listed under ``prefix`` (all pages), as the listing describes it."""
         token: str | None = None
         while True:
             kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
             if token:
                 kw["ContinuationToken"] = token
             page = self._call("list", lambda kw=kw: self._client.list_objects_v2(**kw))
-            names.extend(o["Key"] for o in page.get("Contents") or [] if keep(o["Key"]))
+            yield from page.get("Contents") or []
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
-                return names
+                return
+
+    def _names(self, prefix: str, keep: Callable[[str], bool] = lambda _name: True) -> list[str]:
+        """Every object name under ``prefix`` that ``keep`` accepts (all pages)."""
+        return [o["Key"] for o in self._objects(prefix) if keep(o["Key"])]
 
     def close(self) -> None:
         self._client.close()

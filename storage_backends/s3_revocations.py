@@ -218,18 +218,7 @@ class S3RevocationFeed(S3Objects):
 
     def _listing(self, prefix: str) -> dict[str, str]:
         """Names (relative to the feed) -> ETag, all pages."""
-        out: dict[str, str] = {}
-        token: str | None = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
-            if token:
-                kw["ContinuationToken"] = token
-            page = self._call("list", lambda kw=kw: self._client.list_objects_v2(**kw))
-            for o in page.get("Contents") or []:
-                out[o["Key"][len(self.root):]] = str(o.get("ETag", ""))
-            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if not token:
-                return out
+        return {o["Key"][len(self.root):]: str(o.get("ETag", "")) for o in self._objects(prefix)}
 
     def read_new(self) -> FeedRead:
         """The changes not read before, and what the feed's gaps hold. If the endpoint fails,
