@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.security.policy import Principal
+from kvtier.security.secrets import create_secret_file
 from kvtier.security.tokens import DEFAULT_MAX_LIFETIME_S, MintRequest, SigningKey, mint
 from kvtier.server.auth import ed25519_signing_key_from_file, hmac_key_from_file
 from kvtier.server.config import load_config
@@ -57,17 +58,8 @@ def _signing_key(args: argparse.Namespace) -> SigningKey:
 
 def write_token_key(path: str | os.PathLike[str]) -> Path:
     """A fresh 32-byte secret as 64 hex digits, mode 0600; refuses to overwrite."""
-    p = Path(path)
-    try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise ConfigError(f"--generate-key: {p} exists; not overwriting a key") from None
-    try:
-        os.write(fd, secrets.token_hex(32).encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return p
+    return create_secret_file(path, secrets.token_hex(32).encode() + b"\n",
+                              f"--generate-key: {path} exists; not overwriting a key")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.errors import ConfigError, KeyUnavailable, TierUnavailable
 from kvtier.keys import ScopeDomain
-from kvtier.security.secrets import read_secret_file
+from kvtier.security.secrets import create_secret_file, read_secret_file
 
 KEK_BYTES = 32
 DEK_BYTES = 32
@@ -216,14 +216,5 @@ def key_provider(spec: str) -> KeyProvider:
 
 def write_master_key(path: str | os.PathLike[str]) -> Path:
     """Create a fresh random master key file (hex, mode 0600); refuses to overwrite one."""
-    p = Path(path)
-    try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise ConfigError(f"master key file {p} already exists; not overwriting it") from None
-    try:
-        os.write(fd, os.urandom(KEK_BYTES).hex().encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return p
+    return create_secret_file(path, os.urandom(KEK_BYTES).hex().encode() + b"\n",
+                              f"master key file {path} already exists; not overwriting it")

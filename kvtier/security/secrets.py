@@ -71,6 +71,22 @@ PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
 
+def create_secret_file(path: str | os.PathLike[str], data: bytes, refusal: str) -> Path:
+    """Write ``data`` to a new file of mode 0600, durably; never overwrites one (ConfigError
+    ``refusal`` when it exists): a key file replaced by accident is a key lost."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        raise ConfigError(refusal) from None
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return p
+
+
 def private_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` (and missing parents) and make it 0700, whatever the umask, and tighten
     every file and directory already in it to 0600/0700: data directories (LMDB, key stores, the
