@@ -71,3 +71,13 @@ class Overloaded(KvtierError):
 
 class DeadlineExceeded(TierUnavailable):
     """A call ran past its deadline (the client's, or the server's own limit)."""
+
+
+class RegionUnavailable(KvtierError):
+    """A call named a shared-memory region the daemon does not hold (detached, or the daemon
+    restarted): the client attaches a new region or sends its bytes inline."""
+
+
+class SpillFailed(TierUnavailable):
+    """Spilling evicted blocks into the tier below failed (those blocks are lost, and counted), or
+    the spill thread stopped; raised by ``flush``/``close`` and by a durable put that waited."""

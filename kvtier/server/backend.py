@@ -27,6 +27,7 @@ from kvtier.security.timing import TimingMitigations
 from kvtier.security.wrapped_keys import MirroredKeyStore, SlotFileKeyStore, WrappedKeyStore
 from kvtier.server.config import DaemonConfig
 from kvtier.server.service import PurgeOutcome
+from kvtier.store.spill_queue import SpillOptions
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore
 from storage_backends.frame_memory import FrameMemoryTier
@@ -123,7 +124,9 @@ class Backend:
                 local = [remote]
             else:
                 write_policy = tiers.remote.write_policy if tiers.remote is not None else "none"
-                store = TieredStore(local, remote=remote, write_policy=write_policy)
+                # async: memory's evictions reach LMDB through a bounded queue, off the Put's path.
+                spill = SpillOptions(max_bytes=tiers.spill.queue_bytes) if tiers.spill.mode == "async" else None
+                store = TieredStore(local, remote=remote, write_policy=write_policy, spill=spill)
         except BaseException:
             for t in [*local, *([remote] if remote is not None else [])]:
                 t.close()

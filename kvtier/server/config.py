@@ -109,6 +109,10 @@ def _write_policies() -> list[str]:
     return sorted(WRITE_POLICIES)
 
 
+def _spill_modes() -> list[str]:
+    return ["async", "sync"]
+
+
 def _log_levels() -> list[str]:
     return ["debug", "info", "warning", "error"]
 
@@ -166,6 +170,20 @@ class ServerConfig:
         kind="path",
     )
     log_level: str = _f("info", "Structured (JSON lines) log level on stderr.", check=one_of(_log_levels))
+    data_plane: str = _f(
+        "auto",
+        "Shared-memory data plane for engines on this node: 'auto' (a unix socket beside a unix "
+        "listen address, '<path>.data', else in a fresh private directory), 'off', or an absolute "
+        "socket path. Clients that cannot attach use the inline gRPC path.",
+        check=lambda v: None if v in ("auto", "off") or (isinstance(v, str) and v.startswith("/"))
+        else "expected 'auto', 'off' or an absolute path",
+    )
+    max_region_bytes: int = _f(
+        1 << 30, "Largest shared-memory region one client may attach.", check=in_range(1 << 20, 1 << 40))
+    max_regions: int = _f(64, "Shared-memory regions attached at once, all clients together.",
+                          check=in_range(1, 4096))
+    max_regions_per_client: int = _f(4, "Shared-memory regions one credential may attach at once.",
+                                     check=in_range(1, 4096))
 
 
 @dataclass(slots=True, frozen=True)
@@ -289,12 +307,31 @@ class RemoteTierConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class SpillConfig:
+    """How blocks evicted from the memory tier reach the disk tier (docs/architecture.md, "Spilling")."""
+
+    mode: str = _f(
+        "async",
+        "async: a Put returns once its blocks are in the memory tier, and what they evict is written to disk by a "
+        "background thread; sync: the Put writes its evictions to disk (encrypt, write, fsync) before it returns.",
+        check=one_of(_spill_modes),
+    )
+    queue_bytes: int = _f(
+        256 << 20,
+        "async: evicted blocks waiting for the disk at most, in bytes (a Put waits for room beyond it); also the "
+        "most a crash can lose of blocks already evicted from RAM.",
+        check=positive,
+    )
+
+
+@dataclass(slots=True, frozen=True)
 class TiersConfig:
     """The daemon's tiers, fastest first. At least one is required."""
 
     memory: MemoryTierConfig | None = field(default=None, metadata=_meta("CPU RAM tier; absent: none."))
     disk: DiskTierConfig | None = field(default=None, metadata=_meta("Disk tier; absent: none."))
     remote: RemoteTierConfig | None = field(default=None, metadata=_meta("Remote tier; absent: none."))
+    spill: SpillConfig = field(default_factory=SpillConfig, metadata=_meta("Spilling from memory to disk."))
 
 
 @dataclass(slots=True, frozen=True)

@@ -127,6 +127,9 @@ class Tier(ABC):
     #: Whether another process sees what this tier holds (a daemon, a bucket): only a store of such
     #: tiers can serve an engine whose scheduler and workers run in separate processes.
     shared_across_processes: bool = False
+    #: Whether what a put stored survives this process being killed (records on local disk): the
+    #: tier a store's ``put(durable=True)`` writes through to.
+    durable: bool = False
 
     def __init__(self) -> None:
         self.metrics = TierMetrics(self.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,6 +15,7 @@ from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.metrics import RequestMetrics
 from kvtier.store.pin_table import PinTable
 from kvtier.store.remote_writer import RemoteWriterOptions, WritePolicy, make_write_policy
+from kvtier.store.spill_queue import SpillFailed, SpillOptions, SpillQueue
 from kvtier.store.tier import Tier
 from kvtier.store.write_fence import WriteFence
 
@@ -87,6 +88,14 @@ class TieredStore:
     An optional ``remote`` tier is appended last: looked up and read like any tier, but written
     only through ``write_policy`` (asynchronous uploads, see kvtier.remote_writer), never by a
     synchronous spill; ``close()`` drains pending uploads before closing the tiers.
+
+    With ``spill`` options (and a local tier below tier 0), tier 0's evictions go into tier 1
+    through ``spills`` (kvtier.store.spill_queue), off the put's critical path; blocks rejected by
+    tier 0 still go down at once. A queued block counts as tier 0's: lookups, loads and per-key
+    gets find it there (and promote it), and since the queue lets go of a block only once the
+    tier below holds it, a block on its way down is never a miss. Deletes drop queued blocks;
+    purges drop them through the write fence. ``put(durable=True)`` returns once the blocks are
+    in the first durable local tier and everything queued before it returned was written.
     """
 
     def __init__(
@@ -98,6 +107,7 @@ class TieredStore:
         write_policy: str = "none",
         writer_options: RemoteWriterOptions | None = None,
         observer: TransferObserver | None = None,
+        spill: SpillOptions | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
@@ -119,6 +129,13 @@ class TieredStore:
         self.requests = RequestMetrics()
         #: Purges close a domain here so no put, promotion, spill or upload writes it behind them.
         self.fence = WriteFence()
+        #: The first local tier below tier 0 whose contents survive a crash of this process.
+        self._durable = next((i for i in range(1, self._local) if self.tiers[i].durable), None)
+        #: Tier 0's evictions on their way into tier 1 (None: spilled synchronously, in the put).
+        self.spills: SpillQueue | None = None
+        if spill is not None and self._local >= 2:
+            self.spills = SpillQueue(self._spill_from_first, spill, metrics=self.tiers[1].metrics)
+            self.fence.track(self.spills)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -139,7 +156,7 @@ class TieredStore:
         while pos < len(keys):
             rest = keys[pos:]
             for level, t in enumerate(self.tiers):
-                n = t.contains(rest)
+                n = self._first_contains(rest) if level == 0 else t.contains(rest)
                 if n:
                     runs.append(TierRun(level, t.name, pos, n))
                     pos += n
@@ -166,40 +183,96 @@ class TieredStore:
         with self.pins.hold(list(keys)):
             for run in lookup.runs:
                 want = keys[run.start : run.start + run.count]
-                got = self._read(run.level, want, first)
+                if run.level == 0:
+                    got, promote = self._read_first(want, first)
+                else:
+                    got = self._read(run.level, want, first)
+                    promote = [b for b in got if isinstance(b, Block)]
                 for i, item in enumerate(got):
                     if not _is(item, want[i]):
                         if item is not None:
                             self.tiers[run.level].metrics.error("wrong_block")
                         return out
                     out.append(item)
-                if self.promote and run.level > 0:
-                    self._put_at(0, [b for b in got if isinstance(b, Block)])
+                if self.promote and promote:
+                    self._put_at(0, promote)
         return out
 
     def get_each(self, keys: Sequence[BlockKey], *, first: FirstTierReader | None = None) -> list[Readable | None]:
         """Each key from the fastest tier that holds it (None where none does), with the same
         checks and promotion as ``load``: one batched read per tier for the keys still missing."""
+        with self.pins.hold(list(keys)):
+            return self._each(keys, first, 0)
+
+    def _each(self, keys: Sequence[BlockKey], first: FirstTierReader | None, start: int) -> list[Readable | None]:
+        """``get_each`` from tier ``start`` down (pins held by the caller)."""
         found: list[Readable | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        with self.pins.hold(list(keys)):
-            for level, tier in enumerate(self.tiers):
-                if not todo:
-                    break
-                got = self._read(level, [keys[i] for i in todo], first)
-                left, hits = [], []
-                for i, item in zip(todo, got, strict=True):
-                    if _is(item, keys[i]):
-                        found[i] = item
-                        hits.append(item)
-                    else:
-                        if item is not None:
-                            tier.metrics.error("wrong_block")
-                        left.append(i)
-                todo = left
-                if self.promote and level > 0 and hits:
-                    self._put_at(0, [b for b in hits if isinstance(b, Block)])
+        for level in range(start, len(self.tiers)):
+            if not todo:
+                break
+            tier = self.tiers[level]
+            got = list(self._read(level, [keys[i] for i in todo], first))
+            promote: list[Block] = []
+            if level == 0 and self.spills is not None:
+                # Evicted from tier 0 but still queued: tier 0's as far as readers can tell.
+                gone = [j for j, g in enumerate(got) if g is None]
+                for j, b in zip(gone, self.spills.get([keys[todo[j]] for j in gone]) if gone else (), strict=True):
+                    got[j] = b
+                    if b is not None:
+                        promote.append(b)
+            left, hits = [], []
+            for i, item in zip(todo, got, strict=True):
+                if _is(item, keys[i]):
+                    found[i] = item
+                    hits.append(item)
+                else:
+                    if item is not None:
+                        tier.metrics.error("wrong_block")
+                    left.append(i)
+            todo = left
+            if level > 0:
+                promote = [b for b in hits if isinstance(b, Block)]
+            if self.promote and promote:
+                self._put_at(0, promote)
         return found
+
+    def _first_contains(self, keys: Sequence[BlockKey]) -> int:
+        """Longest prefix of ``keys`` held by tier 0 or queued on its way down from it."""
+        first = self.tiers[0]
+        n = first.contains(keys)
+        if self.spills is None:
+            return n
+        while n < len(keys):
+            queued = self.spills.contains(keys[n:])
+            if not queued:
+                break
+            n += queued
+            n += first.contains(keys[n:]) if n < len(keys) else 0
+        return n
+
+    def _read_first(
+        self, keys: Sequence[BlockKey], first: FirstTierReader | None
+    ) -> tuple[list[Readable | None], list[Block]]:
+        """Tier 0's part of a lookup: from tier 0, else from the spill queue, else from below (a
+        block the lookup saw queued may have landed in tier 1 since: the queue lets go of a block
+        only once the tier below holds it). Returns the items and the blocks to promote."""
+        got = list(self._read(0, keys, first))
+        if self.spills is None:
+            return got, []
+        gone = [i for i, g in enumerate(got) if g is None]
+        if not gone:
+            return got, []
+        promote = []
+        for i, b in zip(gone, self.spills.get([keys[i] for i in gone]), strict=True):
+            if b is not None:
+                got[i] = b
+                promote.append(b)
+        moved = [i for i in gone if got[i] is None]
+        if moved:
+            for i, item in zip(moved, self._each([keys[i] for i in moved], None, 1), strict=True):
+                got[i] = item  # promoted by _each
+        return got, promote
 
     def _read(self, level: int, keys: Sequence[BlockKey], first: FirstTierReader | None) -> Sequence[Readable | None]:
         t0 = time.perf_counter()
@@ -211,22 +284,61 @@ class TieredStore:
         return got
 
     # -- put / delete -----------------------------------------------------------------------------
-    def put(self, blocks: Sequence[Block]) -> StorePutReport:
+    def put(self, blocks: Sequence[Block], *, durable: bool = False) -> StorePutReport:
         """Store ``blocks`` in tier 0 (what does not fit falls to the next tier), hand them to the
-        remote write policy, and report per key where each one ended up."""
+        remote write policy, and report per key where each one ended up.
+
+        Returns once the blocks are in their first tier; what they evicted may still be queued
+        (``spills``). With ``durable`` it returns once the blocks are also in the first durable
+        local tier (one that survives this process: LMDB) and every block queued before it
+        returns was written down; SpillFailed if a spill failed meanwhile. A store without a
+        durable local tier only waits for the queue."""
         outcomes: dict[BlockKey, KeyPut] = {}
-        with self.pins.hold([b.key for b in blocks]), self.fence.writing():
-            admitted = self.fence.admit(blocks)
-            if len(admitted) < len(blocks):
-                kept = {b.key for b in admitted}
-                outcomes.update((b.key, KeyPut(PutOutcome.FENCED)) for b in blocks if b.key not in kept)
-            self._put_at(0, admitted, outcomes)
-            self.write_policy.on_put(admitted)
+        failures = self.spills.failures() if durable and self.spills is not None else 0
+        with self.pins.hold([b.key for b in blocks]):
+            with self.fence.writing():
+                admitted = self.fence.admit(blocks)
+                if len(admitted) < len(blocks):
+                    kept = {b.key for b in admitted}
+                    outcomes.update((b.key, KeyPut(PutOutcome.FENCED)) for b in blocks if b.key not in kept)
+                self._put_at(0, admitted, outcomes)
+                self.write_policy.on_put(admitted)
+                if durable:
+                    self._write_durable(admitted, outcomes)
+            # Waiting outside the fence: a purge need not wait for the queue, it cancels its part.
+            if durable and self.spills is not None:
+                self.spills.wait(self.spills.mark())
+                if self.spills.failures() > failures:
+                    raise SpillFailed("a spill into the tier below failed while this durable put waited; "
+                                      "blocks it evicted may be lost")
         return StorePutReport(outcomes)
 
+    def _write_durable(self, blocks: Sequence[Block], outcomes: Mapping[BlockKey, KeyPut]) -> None:
+        """Also write into the first durable local tier the ``blocks`` that only a faster,
+        volatile tier holds (pins and fence held by the caller)."""
+        if self._durable is None:
+            return
+        volatile = {t.name for t in self.tiers[: self._durable]}
+        todo = [b for b in blocks if outcomes.get(b.key, KeyPut(PutOutcome.REJECTED)).tier in volatile]
+        if todo:
+            self._put_at(self._durable, todo)
+
+    def _spill_from_first(self, items: list[Block | SealedRecord]) -> None:
+        """The spill queue's writer: tier 0's evictions into tier 1 (and what that evicts, on down)."""
+        self._put_at(1, items)
+
+    def flush_spills(self, timeout_s: float | None = None) -> bool:
+        """Wait until every block queued for spilling so far is written down; False on timeout.
+        Raises SpillFailed for spill failures not raised before."""
+        return True if self.spills is None else self.spills.flush(timeout_s)
+
     def flush_remote(self, timeout_s: float | None = None) -> bool:
-        """Wait for pending remote uploads (write-through/write-back); False on timeout."""
-        return self.write_policy.flush(timeout_s)
+        """Wait for queued spills, then pending remote uploads (write-through/write-back); False
+        on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self.flush_spills(timeout_s):
+            return False
+        return self.write_policy.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _put_at(self, level: int, blocks: Sequence[Block], outcomes: dict[BlockKey, KeyPut] | None = None) -> None:
         """Put ``blocks`` into tier ``level``; rejected blocks and evictions fall to the next tier.
@@ -248,35 +360,57 @@ class TieredStore:
                             if k in pending:
                                 outcomes[k] = KeyPut(outcome, tier.name)
                                 pending.discard(k)
-                # Rejected blocks (no room, all pinned) fall through to the next tier; so do evictions.
+                # Rejected blocks (no room, all pinned) fall through to the next tier; so do evictions,
+                # tier 0's through the spill queue (off this put's path) when there is one.
                 rejected = set(res.rejected)
-                blocks = [*res.evicted, *(b for b in blocks if b.key in rejected)]
+                evicted = res.evicted
+                if level == 0 and self.spills is not None and evicted:
+                    evicted = self.spills.submit(self.fence.admit(evicted))  # what it does not take goes now
+                blocks = [*evicted, *(b for b in blocks if b.key in rejected)]
                 level += 1
         if outcomes is not None:
             outcomes.update((k, KeyPut(PutOutcome.REJECTED)) for k in pending)
 
     def delete(self, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """Remove ``keys`` everywhere; queued blocks count as tier 0's (as lookups report them)."""
         self.write_policy.forget(keys)
-        return {t.name: t.delete(keys) for t in self.tiers}
+        queued = self.spills.forget(keys) if self.spills is not None else 0
+        removed = {t.name: t.delete(keys) for t in self.tiers}
+        removed[self.tiers[0].name] += queued
+        return removed
 
     def delete_scope(self, domain: ScopeDomain) -> dict[str, int]:
         self.write_policy.forget(domain=domain)
-        return {t.name: t.delete_scope(domain) for t in self.tiers}
+        queued = self.spills.forget(domain=domain) if self.spills is not None else 0
+        removed = {t.name: t.delete_scope(domain) for t in self.tiers}
+        removed[self.tiers[0].name] += queued
+        return removed
 
     def record_request(self, input_tokens: int, hit_tokens: int) -> None:
         self.requests.record(input_tokens, hit_tokens)
 
     def stats(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "requests": self.requests.snapshot(),
             "tiers": [t.metrics.snapshot() | {"usage": _usage(t)} for t in self.tiers],
             "time": time.time(),
         }
+        if self.spills is not None:
+            out["spill"] = asdict(self.spills.stats())
+        return out
 
     def close(self) -> None:
-        self.write_policy.close()
-        for t in self.tiers:
-            t.close()
+        """Write queued spills down, drain remote uploads, close every tier (even when one of
+        those steps raises: the first error is raised after)."""
+        try:
+            if self.spills is not None:
+                self.spills.close()
+        finally:
+            try:
+                self.write_policy.close()
+            finally:
+                for t in self.tiers:
+                    t.close()
 
 
 def _opened(items: Sequence[Block | SealedRecord], tier: Tier) -> list[Block]:

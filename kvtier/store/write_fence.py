@@ -5,19 +5,30 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 from kvtier.block import Block
-from kvtier.keys import ScopeDomain
+from kvtier.keys import BlockKey, ScopeDomain
+
+
+class PendingWrites(Protocol):
+    """Blocks accepted for a tier but not in it yet, held outside ``writing()`` (the spill queue)."""
+
+    def forget(self, keys: Sequence[BlockKey] = (), domain: ScopeDomain | None = None) -> int:
+        """Drop those of ``keys`` / ``domain`` and wait until none of them is being written."""
+        ...
 
 
 class WriteFence:
     """Scope domains being purged, and the store writes in flight that might still carry them.
 
     Every write path of the store (put, promotion, spill of evictions, remote upload submission)
-    runs inside ``writing()`` and passes its blocks through ``admit`` before each tier.
-    ``closed(domain)`` marks the domain and then waits for every write that started before it, so
-    inside it no block of the domain can reach any tier (a purge deletes knowing nothing lands
-    behind it). Guarded by ``_cond``; ``dropped`` counts blocks refused while their domain was closed.
+    runs inside ``writing()`` and passes its blocks through ``admit`` before each tier. Writes
+    that wait outside ``writing()`` (a spill queue's) are ``track``ed. ``closed(domain)`` marks
+    the domain, waits for every write that started before it, then has every tracked holder drop
+    the domain's blocks, so inside it no block of the domain can reach any tier (a purge deletes
+    knowing nothing lands behind it). Guarded by ``_cond``; ``dropped`` counts blocks refused
+    while their domain was closed.
     """
 
     def __init__(self) -> None:
@@ -25,7 +36,13 @@ class WriteFence:
         self._closed: dict[ScopeDomain, int] = {}
         self._active: set[int] = set()
         self._next = 0
+        self._pending: list[PendingWrites] = []
         self.dropped = 0
+
+    def track(self, pending: PendingWrites) -> None:
+        """Blocks ``pending`` holds are cancelled whenever a domain closes."""
+        with self._cond:
+            self._pending.append(pending)
 
     @contextmanager
     def writing(self) -> Iterator[None]:
@@ -58,7 +75,11 @@ class WriteFence:
             self._closed[domain] = self._closed.get(domain, 0) + 1
             start = self._next
             self._cond.wait_for(lambda: all(t >= start for t in self._active))
+            pending = list(self._pending)
         try:
+            # Outside the lock: a holder's own writer needs the fence (writing, admit) to finish.
+            for p in pending:
+                p.forget(domain=domain)
             yield
         finally:
             with self._cond:

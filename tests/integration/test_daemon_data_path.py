@@ -50,6 +50,7 @@ def test_every_get_promotes_blocks_from_disk_into_memory(rig, mode: str) -> None
         assert len(alice.put(old).stored) == 4
         # Eight newer blocks push the first four out of the 8-block memory tier into LMDB.
         assert len(alice.put(own_blocks(alice, MEMORY_BLOCKS, seed=2)).stored) == MEMORY_BLOCKS
+        assert daemon.store.flush_spills(timeout_s=10), "the evicted blocks reach LMDB (the spill is asynchronous)"
         memory, disk = daemon.store.tiers[0], daemon.store.tiers[1]
         keys = [b.key for b in old]
         assert memory.contains(keys[:1]) == 0 and disk.contains(keys) == 4
