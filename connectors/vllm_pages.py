@@ -109,12 +109,26 @@ class PagedKV:
         per = max(1, self.engine.config.buffer_bytes // self.page_bytes)
         loads = []
         for a in range(0, len(data), per):
-            src = torch.stack(list(data[a : a + per]))  # [n, layers, H, N, C], contiguous
+            src = _stacked(data[a : a + per])  # [n, layers, H, N, C], contiguous
             loads.append(self.engine.load_layers(src, self.views, list(ids[a : a + per])))
         return LayerLoad(loads, self.views, [], [])
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _stacked(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(blocks)``, without the copy when the blocks already lie back to back in one
+    storage (blocks read from the daemon's shared memory do: one call's blocks fill its share of
+    the region in order)."""
+    first = blocks[0]
+    n = first.numel()
+    storage = first.untyped_storage().data_ptr()
+    if all(b.is_contiguous() and b.dtype == first.dtype and b.shape == first.shape
+           and b.untyped_storage().data_ptr() == storage and b.storage_offset() == first.storage_offset() + i * n
+           for i, b in enumerate(blocks)):
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (len(blocks), *first.shape))
+    return torch.stack(list(blocks))
 
 
 class LayerLoad:

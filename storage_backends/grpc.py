@@ -21,13 +21,17 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
+import xxhash
 
 from kvtier.block import Block, BlockMeta
+from kvtier.dataplane.slices import Slice, SliceLease
 from kvtier.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -36,6 +40,7 @@ from kvtier.errors import (
     LayoutMismatch,
     Overloaded,
     RateLimited,
+    RegionUnavailable,
     ScopeError,
     TierUnavailable,
 )
@@ -43,11 +48,20 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
-from kvtier.rpc.names import AUTH_METADATA, SALT_METADATA, SERVICE_NAME
+from kvtier.rpc.names import AUTH_METADATA, DURABLE_METADATA, REGION_METADATA, SALT_METADATA, SERVICE_NAME
 from kvtier.rpc.status import error_from
-from kvtier.rpc.wire import BlockAssembler, ChunkFrame, ResponseSlots, decode_frame, encode_frame, pack_blocks
+from kvtier.rpc.wire import (
+    BlockAssembler,
+    ChunkFrame,
+    ResponseSlots,
+    decode_frame,
+    encode_frame,
+    meta_to_msg,
+    pack_blocks,
+)
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
+from storage_backends.shm_link import DataPlaneSession, SharedMemoryLink
 
 #: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause. A
 #: RateLimited read (the daemon's miss limit) is a refusal for now, like Overloaded, not a crash.
@@ -60,6 +74,10 @@ DEGRADED: tuple[tuple[type[KvtierError], str], ...] = (
 
 
 TokenSource = str | Callable[[], str]
+
+#: Region blocks described by one Put message (each description is ~200 bytes), and their payload.
+REGION_RUN = 512
+REGION_MESSAGE_BYTES = 4 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,6 +102,13 @@ class GrpcTierConfig:
     name: str = "daemon"
     #: A request salt this client acts for (an engine credential's calls: see kvtier.security.salts).
     salt: str | None = None
+    #: Payload path: ``auto`` (shared memory with a daemon on this node when it can be had, else
+    #: inline gRPC), ``shm`` (required), ``tcp`` (always inline). See storage_backends/shm_link.py.
+    data_plane: str = "auto"
+    #: Size of the shared-memory region (the daemon may cap it); blocks beyond a call's share go inline.
+    region_bytes: int = 256 << 20
+    #: Every Put returns only once its blocks are on the daemon's disk tier (else: once in its RAM).
+    durable: bool = False
 
     def validate(self) -> None:
         if not self.target or ":" not in self.target:
@@ -98,6 +123,10 @@ class GrpcTierConfig:
             raise ConfigError("GrpcTierConfig.timeout_s must be positive")
         if not 1 <= self.max_attempts <= 5:
             raise ConfigError("GrpcTierConfig.max_attempts must be in [1, 5]")
+        if self.data_plane not in DataPlaneSession.MODES:
+            raise ConfigError(f"GrpcTierConfig.data_plane must be one of {DataPlaneSession.MODES}")
+        if not 1 << 20 <= self.region_bytes <= 1 << 40:
+            raise ConfigError("GrpcTierConfig.region_bytes must be between 1 MiB and 1 TiB")
 
     def channel(self) -> grpc.Channel:
         options: list[tuple[str, Any]] = [
@@ -177,7 +206,8 @@ class GrpcTier(Tier):
         super().__init__()
         self.config = config
         self._owns_channel = channel is None
-        self._ch = channel if channel is not None else _Channel(config.channel())
+        self._ch = channel if channel is not None else _Channel(
+            config.channel(), DataPlaneSession(config.data_plane, config.region_bytes))
         self._stub, self._get, self._put = self._ch.stub, self._ch.get, self._ch.put
         self._lock = threading.Lock()
         self._domains: DomainTable | None = None
@@ -188,10 +218,31 @@ class GrpcTier(Tier):
         return GrpcTier(replace(self.config, salt=salt), channel=self._ch)
 
     # -- plumbing ---------------------------------------------------------------------------------
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        tok = self.config.token() if callable(self.config.token) else self.config.token
-        md = ((AUTH_METADATA, f"Bearer {tok}"),)
-        return md if self.config.salt is None else (*md, (SALT_METADATA, self.config.salt))
+    def _token(self) -> str:
+        return self.config.token() if callable(self.config.token) else self.config.token
+
+    def _metadata(self, link: SharedMemoryLink | None = None) -> tuple[tuple[str, str], ...]:
+        md: tuple[tuple[str, str], ...] = ((AUTH_METADATA, f"Bearer {self._token()}"),)
+        if self.config.salt is not None:
+            md = (*md, (SALT_METADATA, self.config.salt))
+        return md if link is None else (*md, (REGION_METADATA, link.handle))
+
+    def _put_metadata(self, link: SharedMemoryLink | None) -> tuple[tuple[str, str], ...]:
+        md = self._metadata(link)
+        return (*md, (DURABLE_METADATA, "1")) if self.config.durable else md
+
+    def _link(self) -> SharedMemoryLink | None:
+        return self._ch.session.link(lambda: self._unary("DataPlane", pb.DataPlaneRequest()), self._token)
+
+    @property
+    def data_plane(self) -> str:
+        """How payloads travel now: ``shm``, or ``inline: <why>``."""
+        return self._ch.session.state
+
+    @property
+    def session(self) -> DataPlaneSession:
+        """This channel's shared-memory session (its link, the bytes moved through it)."""
+        return self._ch.session
 
     def _unary(self, method: str, request: Any) -> Any:
         """One unary call; every failure becomes the matching kvtier exception."""
@@ -259,22 +310,83 @@ class GrpcTier(Tier):
         if not keys:
             return out
         t0 = time.perf_counter()
+        link = self._link()
+        share = None if link is None else link.slices.take(
+            sum(o.nbytes for o in outs) if outs is not None
+            else min(len(keys) * link.typical_block_bytes, link.nbytes // 2) if link.typical_block_bytes
+            else link.nbytes // 4)
+        # Without destinations, blocks are handed out as views of the region (no copy): the slice
+        # then stays taken until the call has ended and the last of those blocks is gone.
+        lease = None if share is None else SliceLease(link.slices, share)
+        try:
+            self._stream(keys, outs, mode, out, None if lease is None else (link, lease))
+        except RegionUnavailable:
+            assert link is not None
+            self._ch.session.lost(link)  # the daemon restarted: this read goes inline
+            out = [None] * len(keys)
+            self._stream(keys, outs, mode, out, None)
+        finally:
+            if lease is not None:
+                lease.drop()
+        hits = [b for b in out if b is not None]
+        if link is not None and hits:
+            link.typical_block_bytes = max(b.nbytes for b in hits)
+        self.metrics.hit(len(hits), sum(b.nbytes for b in hits))
+        self.metrics.miss(len(keys) - len(hits))
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return out
+
+    def _stream(
+        self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int, out: list[Block | None],
+        shm: tuple[SharedMemoryLink, SliceLease] | None,
+    ) -> None:
+        """One Get call, its blocks placed into ``out``; failures the engine must survive are counted."""
 
         def allocate(pos: int, meta: BlockMeta) -> torch.Tensor:
             if outs is not None:
                 return outs[pos]  # the assembler checks dtype/shape and raises LayoutMismatch
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
 
-        asm = BlockAssembler(allocate, ResponseSlots(keys).place)
-        stream = self._get(pb.GetRequest(keys=list(keys), mode=mode), timeout=self.config.timeout_s,
-                           metadata=self._metadata())
+        request = pb.GetRequest(keys=list(keys), mode=mode)
+        window = adopt = None
+        used = [0]  # bytes of the share the daemon filled (from its start: it fills in order)
+        if shm is not None:
+            link, lease = shm
+            share = lease.slice
+            request.region_offset, request.region_bytes = share.offset, share.nbytes
+
+            # One tensor over the whole share: the blocks adopted from it are views of one storage
+            # (back to back, in request order), and the share stays leased while any is alive.
+            whole = link.region.window(share.offset, share.nbytes)
+            lease.hold(whole)
+            whole_t = torch.from_numpy(whole)
+            del whole
+
+            def adopt(src: np.ndarray, meta: BlockMeta) -> torch.Tensor:
+                start = src.ctypes.data - whole_t.data_ptr()
+                return whole_t[start : start + meta.nbytes].view(DTYPES[meta.dtype][0]).view(meta.shape)
+
+            def window(offset: int, nbytes: int) -> np.ndarray:
+                # The daemon may write only inside this call's share of the region.
+                if not (share.offset <= offset and offset + nbytes <= share.offset + share.nbytes):
+                    raise InvalidRequest("daemon placed a block outside this call's share of the region")
+                used[0] = max(used[0], offset + nbytes - share.offset)
+                return link.region.window(offset, nbytes)
+
+        # A client trusts blocks the daemon verified (admission, disk, S3) and placed in shared
+        # memory; inline blocks are hashed end to end as ever.
+        asm = BlockAssembler(allocate, ResponseSlots(keys).place, region=window, verify_region=False,
+                             adopt=adopt if outs is None else None)
+        stream = self._get(request, timeout=self.config.timeout_s,
+                           metadata=self._metadata(None if shm is None else shm[0]))
         try:
             for msg in stream:
                 for pos, blk in asm.feed_message(msg):
                     out[pos] = blk
+            self._ch.session.moved("get", asm.region_bytes)
         except grpc.RpcError as exc:
             err = error_from(exc)
-            if not self._degrade(err):
+            if isinstance(err, RegionUnavailable) or not self._degrade(err):
                 raise err from None
         except LayoutMismatch:
             stream.cancel()
@@ -284,23 +396,27 @@ class GrpcTier(Tier):
             # open block is dropped, blocks already verified are kept.
             stream.cancel()
             self.metrics.error("corrupt")
-        hits = [b for b in out if b is not None]
-        self.metrics.hit(len(hits), sum(b.nbytes for b in hits))
-        self.metrics.miss(len(keys) - len(hits))
-        self.metrics.observe("get", time.perf_counter() - t0)
-        return out
+        finally:
+            if shm is not None:
+                shm[1].trim(used[0])
 
     def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
         res = PutResult()
         if not blocks:
             return res
         t0 = time.perf_counter()
+        link = self._link()
         try:
-            resp = self._put(self._chunks(blocks), timeout=self.config.timeout_s, metadata=self._metadata())
-        except grpc.RpcError as exc:
-            err = error_from(exc)
+            with nullcontext(None) if link is None else link.slices.slice(sum(b.nbytes for b in blocks)) as share:
+                try:
+                    resp = self._put_call(blocks, None if share is None else (link, share))
+                except RegionUnavailable:
+                    assert link is not None
+                    self._ch.session.lost(link)  # the daemon restarted: this put goes inline
+                    resp = self._put_call(blocks, None)
+        except KvtierError as err:
             if not self._degrade(err):
-                raise err from None
+                raise
             self.metrics.error("dropped_put", len(blocks))
             res.rejected = [b.key for b in blocks]
             return res
@@ -313,11 +429,48 @@ class GrpcTier(Tier):
         self.metrics.stored(len(res.stored), sum(sizes.get(k, 0) for k in res.stored))
         return res
 
+    def _put_call(self, blocks: Sequence[Block], shm: tuple[SharedMemoryLink, Slice] | None) -> pb.PutResponse:
+        chunks = self._chunks(blocks) if shm is None else self._region_chunks(blocks, *shm)
+        try:
+            return self._put(chunks, timeout=self.config.timeout_s,
+                             metadata=self._put_metadata(None if shm is None else shm[0]))
+        except grpc.RpcError as exc:
+            raise error_from(exc) from None
+
     def _chunks(self, blocks: Sequence[Block]) -> Iterator[ChunkFrame]:
         # Payloads are read while streaming; Block guarantees a contiguous CPU-side view.
         cpu = ((i, b if b.data.device.type == "cpu" else Block(b.meta, b.data.cpu())) for i, b in enumerate(blocks))
         for msg, _done in pack_blocks(cpu, self.config.chunk_bytes):
             yield msg
+
+    def _region_chunks(self, blocks: Sequence[Block], link: SharedMemoryLink, share: Slice) -> Iterator[ChunkFrame]:
+        """Blocks copied into this call's share of the region (one small message per run of them,
+        each with the xxh3 the daemon checks after copying it out); those that do not fit, inline."""
+        cursor, end = share.offset, share.offset + share.nbytes
+        run: list[ChunkFrame] = []
+        start = cursor
+        for i, b in enumerate(blocks):
+            n = b.nbytes
+            # A message per few MiB, so the daemon copies one message's blocks out while the next
+            # ones are copied in.
+            if run and (cursor + n > end or len(run) >= REGION_RUN or cursor - start >= REGION_MESSAGE_BYTES):
+                start = cursor
+                run[0].more = run[1:]
+                yield run[0]
+                run = []
+            if cursor + n > end:
+                yield from self._chunks([b])
+                continue
+            dst = link.tensor[cursor : cursor + n]
+            dst.copy_(b.data.reshape(-1).view(torch.uint8))  # on CUDA: one DMA into pinned memory
+            checksum = xxhash.xxh3_64_intdigest(memoryview(link.region.window(cursor, n)))
+            run.append(ChunkFrame(i, meta_to_msg(b.meta), 0, b"", True, checksum, in_region=True,
+                                  region_offset=cursor))
+            cursor += n
+        if run:
+            run[0].more = run[1:]
+            yield run[0]
+        self._ch.session.moved("put", cursor - share.offset)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         if not keys:
@@ -362,14 +515,17 @@ class GrpcTier(Tier):
 
     def close(self) -> None:
         if self._owns_channel:
+            self._ch.session.close()
             self._ch.channel.close()
 
 
 class _Channel:
     """One channel to a daemon and its method stubs, shared by the clients acting for many salts."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, session: DataPlaneSession) -> None:
         self.channel = channel
+        #: The shared-memory region of this channel, used by every client on it.
+        self.session = session
         self.stub = pb_grpc.KvCacheStub(channel)
         # Payload-carrying calls use the frame codec (one copy of each payload byte per side).
         self.get = channel.unary_stream(f"/{SERVICE_NAME}/Get", request_serializer=pb.GetRequest.SerializeToString,

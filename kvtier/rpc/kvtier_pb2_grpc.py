@@ -79,6 +79,11 @@ class KvCacheStub:
                 request_serializer=kvtier_dot_rpc_dot_kvtier__pb2.DomainsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.DomainsResponse.FromString,
                 _registered_method=True)
+        self.DataPlane = channel.unary_unary(
+                '/kvtier.v1.KvCache/DataPlane',
+                request_serializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneResponse.FromString,
+                _registered_method=True)
 
 
 class KvCacheServicer:
@@ -138,6 +143,12 @@ class KvCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPlane(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_KvCacheServicer_to_server(servicer, server):
                     servicer.Domains,
                     request_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.DomainsRequest.FromString,
                     response_serializer=kvtier_dot_rpc_dot_kvtier__pb2.DomainsResponse.SerializeToString,
+            ),
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneRequest.FromString,
+                    response_serializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class KvCache:
             '/kvtier.v1.KvCache/Domains',
             kvtier_dot_rpc_dot_kvtier__pb2.DomainsRequest.SerializeToString,
             kvtier_dot_rpc_dot_kvtier__pb2.DomainsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvCache/DataPlane',
+            kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneRequest.SerializeToString,
+            kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

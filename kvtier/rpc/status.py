@@ -28,6 +28,7 @@ from kvtier.errors import (
     LayoutMismatch,
     Overloaded,
     RateLimited,
+    RegionUnavailable,
     ScopeError,
     TierUnavailable,
     UnsupportedFormat,
@@ -53,6 +54,7 @@ STATUS_OF: tuple[tuple[type[KvtierError], grpc.StatusCode], ...] = (
     (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
     (UnsupportedFormat, grpc.StatusCode.DATA_LOSS),
     (CorruptRecord, grpc.StatusCode.DATA_LOSS),
+    (RegionUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 _BY_NAME = {cls.__name__: (cls, code) for cls, code in STATUS_OF}

@@ -87,6 +87,7 @@ def payload_view(block: Block) -> memoryview:
 # The bytes are exactly protobuf's (fields in number order, proto3 defaults omitted), so any
 # protobuf client or server interoperates; tests/unit/test_server_wire.py checks both directions.
 _T_POSITION, _T_META, _T_OFFSET, _T_DATA, _T_LAST, _T_CHECKSUM, _T_MORE = 0x08, 0x12, 0x18, 0x22, 0x28, 0x30, 0x3A
+_T_IN_REGION, _T_REGION_OFFSET = 0x40, 0x48
 #: Upper bound of a chunk's encoded bytes besides its payload and meta (tags, varints, the ``more``
 #: entry that wraps it): what ``pack_blocks`` adds per chunk when it fills a message.
 FRAME_OVERHEAD = 64
@@ -104,6 +105,9 @@ class ChunkFrame:
     last: bool
     checksum: int
     more: list[ChunkFrame] = field(default_factory=list)
+    #: The payload lies at ``region_offset`` of the call's shared-memory region, not in ``data``.
+    in_region: bool = False
+    region_offset: int = 0
 
 
 def _varint(n: int) -> bytes:
@@ -130,9 +134,18 @@ def encode_frame(f: ChunkFrame | pb.BlockChunk | bytes) -> bytes:
         if m.more:
             raise ValueError("a chunk inside `more` cannot carry `more` itself")
         inner, n = _frame_parts(m)
-        parts.append(bytes([_T_MORE]) + _varint(n))
+        region = _region_fields(m)
+        parts.append(bytes([_T_MORE]) + _varint(n + len(region)))
         parts += inner
+        parts.append(region)
+    parts.append(_region_fields(f))  # fields 8 and 9 follow `more` (7): protobuf's field order
     return b"".join(parts)
+
+
+def _region_fields(f: ChunkFrame) -> bytes:
+    if not f.in_region:
+        return b""
+    return bytes([_T_IN_REGION, 1]) + (bytes([_T_REGION_OFFSET]) + _varint(f.region_offset) if f.region_offset else b"")
 
 
 def _frame_parts(f: ChunkFrame) -> tuple[list[bytes | bytearray | memoryview], int]:
@@ -192,6 +205,10 @@ def _decode(mv: memoryview, *, nested: bool) -> ChunkFrame:
                 f.last = bool(v)
             elif tag == _T_CHECKSUM:
                 f.checksum = v
+            elif tag == _T_IN_REGION:
+                f.in_region = bool(v)
+            elif tag == _T_REGION_OFFSET:
+                f.region_offset = v
         elif wire == 2:
             n, i = _read_varint(mv, i)
             if i + n > len(mv):
@@ -396,8 +413,13 @@ def block_messages(block: Block, chunk_bytes: int, position: int = 0) -> Iterato
         yield as_message(f)
 
 
+RegionView = Callable[[int, int], np.ndarray]
+"""``(offset, nbytes) -> bytes of the call's shared-memory region`` (InvalidRequest outside it)."""
+
 Allocate = Callable[[int, BlockMeta], torch.Tensor]
 """``(position, meta) -> destination tensor`` for a block about to arrive (dtype/shape of meta)."""
+Adopt = Callable[[np.ndarray, BlockMeta], torch.Tensor]
+"""``(region bytes, meta) -> the block's tensor viewing them`` (a read that keeps no copy)."""
 Place = Callable[[int, BlockKey], int]
 """``(position on the wire, key) -> the block's position`` (``ResponseSlots.place``)."""
 
@@ -414,14 +436,26 @@ class BlockAssembler:
     matching checksum. A block's position is what ``place`` makes of its first chunk's (as sent,
     by default); every later chunk of the block must repeat the position its first one carried.
     Not thread-safe: one assembler per stream, fed by one thread.
+
+    A whole block may instead lie in the call's shared-memory ``region`` (``in_region`` chunks):
+    it is copied from there into the tensor ``allocate`` returned, and its checksum is verified
+    only with ``verify_region`` (the daemon verifies what a client puts; a client trusts what the
+    daemon verified on admission: docs/architecture.md, "The shared-memory data plane").
     """
 
-    __slots__ = ("_allocate", "_buf", "_dest", "_meta", "_place", "_position", "_received", "_sent_position",
-                 "blocks")
+    __slots__ = ("_adopt", "_allocate", "_buf", "_dest", "_meta", "_place", "_position", "_received", "_region",
+                 "_sent_position", "_verify_region", "blocks", "region_bytes")
 
-    def __init__(self, allocate: Allocate, place: Place = _as_sent) -> None:
+    def __init__(self, allocate: Allocate, place: Place = _as_sent, *, region: RegionView | None = None,
+                 verify_region: bool = True, adopt: Adopt | None = None) -> None:
+        assert adopt is None or not verify_region, "an adopted view is not copied, so it cannot be verified"
         self._allocate = allocate
         self._place = place
+        self._region = region
+        self._verify_region = verify_region
+        self._adopt = adopt
+        #: Payload bytes taken from the region (the rest came inline).
+        self.region_bytes = 0
         self._meta: BlockMeta | None = None
         self._dest: torch.Tensor | None = None
         self._buf: np.ndarray | None = None
@@ -458,6 +492,8 @@ class BlockAssembler:
         if inner and (len(chunk.more) or self._meta is not None or not chunk.last):
             raise InvalidRequest("a chunk inside `more` must be a whole block (meta, last, no `more`)")
         has_meta = chunk.meta is not None if isinstance(chunk, ChunkFrame) else chunk.HasField("meta")
+        if chunk.in_region:
+            return self._from_region(chunk, has_meta)
         if self._meta is None:
             if not has_meta:
                 raise InvalidRequest("the first chunk of a block must carry its meta")
@@ -494,3 +530,31 @@ class BlockAssembler:
         self._meta = self._dest = self._buf = None
         self.blocks += 1
         return pos, Block(meta, dest)
+
+    def _from_region(self, chunk: ChunkFrame | pb.BlockChunk, has_meta: bool) -> tuple[int, Block]:
+        if self._region is None:
+            raise InvalidRequest("a chunk names a shared-memory region on a call that has none")
+        if self._meta is not None:
+            raise InvalidRequest("a region chunk arrived before the open block was complete")
+        if not has_meta or not chunk.last or chunk.offset or len(chunk.data):
+            raise InvalidRequest("a region chunk must be a whole block: meta, last, offset 0, no inline data")
+        assert chunk.meta is not None
+        meta = meta_from_msg(chunk.meta)
+        src = self._region(chunk.region_offset, meta.nbytes)
+        position = self._place(chunk.position, meta.key)
+        if self._adopt is not None:  # the block is handed out as a view of the region: no copy
+            self.blocks += 1
+            self.region_bytes += meta.nbytes
+            return position, Block(meta, self._adopt(src, meta))
+        dest = self._allocate(position, meta)
+        if dest.dtype != DTYPES[meta.dtype][0] or tuple(dest.shape) != meta.shape or not dest.is_contiguous():
+            raise LayoutMismatch("destination tensor does not match the block's dtype/shape")
+        buf = dest.view(torch.uint8).reshape(-1).numpy()
+        # Copied before it is verified: the other side can still write the region, so the bytes
+        # checked must be the bytes kept.
+        np.copyto(buf, src)
+        if self._verify_region and xxhash.xxh3_64_intdigest(memoryview(buf)) != chunk.checksum:
+            raise InvalidRequest("payload checksum mismatch")
+        self.blocks += 1
+        self.region_bytes += meta.nbytes
+        return position, Block(meta, dest)

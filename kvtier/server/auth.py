@@ -103,6 +103,9 @@ class Call:
     context: grpc.ServicerContext
     started: float = field(default_factory=time.monotonic)
     ticket: int = -1
+    #: The token's own principal (``principal`` differs for an engine acting for a salt): what
+    #: owns the call's shared-memory region.
+    credential: Principal | None = None
 
     def check_deadline(self) -> None:
         if time.monotonic() > self.deadline:
@@ -262,7 +265,7 @@ class CallGate(grpc.ServerInterceptor):
         try:
             if self._draining:
                 raise TierUnavailable("the daemon is shutting down")
-            principal = self.authenticate(context.invocation_metadata())
+            credential, principal = self.authenticate(context.invocation_metadata())
             self.limit.try_enter()
         except KvtierError as exc:
             self.metrics.call_failed(method, status_of(exc).name)
@@ -273,16 +276,18 @@ class CallGate(grpc.ServerInterceptor):
         budget = self.options.max_rpc_seconds
         if remaining is not None:
             budget = min(budget, remaining)
-        call = Call(method, principal, context.peer(), self.budget.lease(context.peer()), now + budget, context)
+        call = Call(method, principal, context.peer(), self.budget.lease(context.peer()), now + budget, context,
+                    credential=credential)
         # Runs when the RPC terminates for any reason, including a client that vanished while
         # its handler was blocked: in-flight bytes must not outlive the call.
         context.add_callback(call.lease.close)
         call.ticket = self.options.reaper.watch(call.deadline, context.cancel)
         return call
 
-    def authenticate(self, metadata: Any) -> Principal:
-        """The principal a call acts for: the token's, or, for an engine's token, the principal of
-        the request salt it presents (verified here, where the salt key lives)."""
+    def authenticate(self, metadata: Any) -> tuple[Principal, Principal]:
+        """The credential a call's token names and the principal the call acts for: the token's
+        own, or, for an engine's token, the principal of the request salt it presents (verified
+        here, where the salt key lives)."""
         token = salt = None
         for k, v in metadata or ():
             if k == AUTH_METADATA:
@@ -291,12 +296,17 @@ class CallGate(grpc.ServerInterceptor):
                 salt = v
         if not isinstance(token, str) or not token.startswith(BEARER):
             raise AuthError("missing credential: send 'authorization: Bearer <token>'")
-        credential = self.verifier.principal(token[len(BEARER) :].strip())
-        self.policy.require_active(credential)
+        credential = self.credential(token[len(BEARER) :].strip())
         principal = acting_principal(credential, salt if isinstance(salt, str) else None, self.salts)
         if principal is not credential:
             self.policy.require_active(principal)
-        return principal
+        return credential, principal
+
+    def credential(self, token: str) -> Principal:
+        """The verified, unrevoked principal a bearer token names (also the data-plane socket's check)."""
+        credential = self.verifier.principal(token)
+        self.policy.require_active(credential)
+        return credential
 
     def _fail(self, call: Call, exc: KvtierError) -> None:
         code = status_of(exc)

@@ -13,7 +13,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,12 +30,14 @@ from grpc_reflection.v1alpha import reflection
 from kvtier.errors import ConfigError
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import PUBLIC
+from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.security.salts import HmacSaltMapper, RequestSalts, read_salt_key
 from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.security.tokens import TokenVerifier
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
 from kvtier.server.config import DaemonConfig, load_config
+from kvtier.server.data_plane import DataPlaneListener
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
 from kvtier.server.observability import (
     DaemonCollector,
@@ -42,6 +46,7 @@ from kvtier.server.observability import (
     ServerMetrics,
     configure_logging,
 )
+from kvtier.server.region_table import RegionLimits, RegionTable
 from kvtier.server.service import SERVICE_NAME, KvCacheService, ServiceLimits, ServiceParts, service_handler
 
 log = logging.getLogger("kvtier.server")
@@ -94,18 +99,26 @@ class Daemon:
         salts = RequestSalts(HmacSaltMapper(read_salt_key(salt_key)) if salt_key else None, self.verifier)
         self.gate = CallGate(self.verifier, self.backend.policy, self.budget, self.concurrency,
                              GateOptions(s.max_rpc_seconds, self.metrics, self.reaper), salts)
+        self.regions = (None if s.data_plane == "off" else
+                        RegionTable(RegionLimits(s.max_region_bytes, s.max_regions, s.max_regions_per_client)))
+        self._data_plane: DataPlaneListener | None = None
+        self._data_plane_dir: str | None = None
         self.service = KvCacheService(ServiceParts(
             store=self.backend.store, gate=self.backend.cache.gate, local_tiers=self.backend.local_tiers,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
             # A put commits well before its buffered blocks approach the per-client budget.
             limits=ServiceLimits(chunk_bytes=s.chunk_bytes,
                                  put_batch_bytes=max(1, min(16 << 20, s.max_inflight_bytes_per_client // 4))),
+            regions=self.regions, data_plane=self._data_plane_offer,
         ))
         self.health = health.HealthServicer()
         self._server: grpc.Server | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._stopped = threading.Event()
         self.port = 0
+
+    def _region_counts(self) -> tuple[int, int]:
+        return (0, 0) if self.regions is None else self.regions.snapshot()
 
     def _revocation_counts(self) -> dict[str, int]:
         sync = self.backend.revocations
@@ -148,7 +161,11 @@ class Daemon:
             )
         try:
             self.port = self._bind(server)
+            if self.regions is not None:
+                self._data_plane = DataPlaneListener(self._data_plane_path(), self.regions, self.gate.credential)
         except BaseException:
+            if self._data_plane_dir is not None:
+                shutil.rmtree(self._data_plane_dir, ignore_errors=True)
             self.reaper.close()
             self.backend.close()
             self._stopped.set()
@@ -162,7 +179,8 @@ class Daemon:
                                                                    lambda: self.concurrency.active,
                                                                    lambda: self.budget.refused,
                                                                    lambda: self.concurrency.refused,
-                                                                   self._revocation_counts),
+                                                                   self._revocation_counts,
+                                                                   self._region_counts),
                                         # /metrics is unauthenticated: it names the public domain only.
                                         labelled_domains=frozenset({self.backend.policy.domain(PUBLIC)}))
             self._metrics_endpoint = MetricsEndpoint(collector, host.strip("[]"), int(port))
@@ -189,6 +207,23 @@ class Daemon:
             raise ConfigError(f"server.listen: cannot listen on {s.listen} (in use or not a local address)")
         return port
 
+    def _data_plane_path(self) -> Path:
+        """Where the data-plane socket goes (``server.data_plane``)."""
+        s = self.config.server
+        if s.data_plane.startswith("/"):
+            return Path(s.data_plane)
+        if s.listen.startswith("unix:"):
+            return Path(s.listen.removeprefix("unix:") + ".data")
+        self._data_plane_dir = tempfile.mkdtemp(prefix="kvtier-dp-")  # 0700, this daemon's alone
+        return Path(self._data_plane_dir) / "data.sock"
+
+    def _data_plane_offer(self) -> pb.DataPlaneResponse:
+        dp = self._data_plane
+        if dp is None:
+            return pb.DataPlaneResponse()
+        return pb.DataPlaneResponse(socket=str(dp.path), instance=dp.instance,
+                                    max_region_bytes=dp.table.limits.max_region_bytes)
+
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and close. In-flight calls get ``grace_s`` (default: server.shutdown_grace_s)."""
         if self._stopped.is_set():
@@ -200,6 +235,10 @@ class Daemon:
         if self._server is not None:
             self._server.stop(grace).wait()
         self.reaper.close()
+        if self._data_plane is not None:
+            self._data_plane.close()
+        if self._data_plane_dir is not None:
+            shutil.rmtree(self._data_plane_dir, ignore_errors=True)
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.close()
         self.backend.close()

@@ -95,6 +95,8 @@ class ServerGauges:
     refused_concurrency: Callable[[], int]
     #: RevocationSync counts (published, applied, stale, rejected, read/publish errors); {} without a feed.
     revocation_sync: Callable[[], dict[str, int]] = dict
+    #: Shared-memory regions attached now and their bytes; (0, 0) without a data plane.
+    data_plane: Callable[[], tuple[int, int]] = lambda: (0, 0)
 
 
 class DaemonCollector(Collector):
@@ -194,7 +196,12 @@ class DaemonCollector(Collector):
                                    labels=["outcome"])
         for outcome, n in g.revocation_sync().items():
             sync.add_metric([outcome], float(n))
-        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync)
+        regions, region_bytes = g.data_plane()
+        shm = GaugeMetricFamily("kvtier_data_plane_regions", "Shared-memory regions attached by clients")
+        shm.add_metric([], float(regions))
+        shm_bytes = GaugeMetricFamily("kvtier_data_plane_bytes", "Bytes of the attached shared-memory regions")
+        shm_bytes.add_metric([], float(region_bytes))
+        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync, shm, shm_bytes)
 
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:

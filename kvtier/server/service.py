@@ -28,26 +28,31 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
+from kvtier.dataplane.region import SharedRegion
 from kvtier.errors import AccessDenied, InvalidRequest
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
-from kvtier.rpc.names import SERVICE_NAME
+from kvtier.rpc.names import DURABLE_METADATA, REGION_METADATA, SERVICE_NAME
 from kvtier.rpc.wire import (
     BlockAssembler,
     ChunkFrame,
     FrameSource,
+    WireFrame,
     check_domain,
     check_keys,
     decode_frame,
     encode_frame,
+    meta_to_msg,
     pack_items,
 )
 from kvtier.security.audit import check_sizes
@@ -56,10 +61,14 @@ from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Princi
 from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
+from kvtier.server.region_table import RegionTable
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 
 log = logging.getLogger("kvtier.server")
+
+#: Payload bytes placed in a client's region per Get message (see ``KvCacheService._send``).
+REGION_MESSAGE_BYTES = 4 << 20
 
 @dataclass(slots=True, frozen=True)
 class PurgeOutcome:
@@ -96,6 +105,10 @@ class ServiceParts:
     concurrency: ConcurrencyLimit
     metrics: ServerMetrics
     limits: ServiceLimits
+    #: Shared-memory regions attached through the data-plane socket (None: no data plane).
+    regions: RegionTable | None = None
+    #: Where clients attach regions: ``DataPlane``'s answer (an empty socket: none offered).
+    data_plane: Callable[[], pb.DataPlaneResponse] = pb.DataPlaneResponse
 
 
 #: Authority of a revoke or grant, weakest first: a revocation is lifted only by a caller whose
@@ -166,6 +179,38 @@ REVOKE_RULES: dict[int, RevokeRule] = {
 }
 
 
+class RegionWriter:
+    """Where a Get puts payloads in the caller's region: the request's window, filled in order.
+
+    Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
+    (checked once, here); each block is written whole or not at all. One per Get stream.
+    """
+
+    __slots__ = ("_cursor", "_end", "_region")
+
+    def __init__(self, region: SharedRegion, offset: int, nbytes: int) -> None:
+        region.window(offset, nbytes)  # InvalidRequest unless the window lies in the region
+        self._region = region
+        self._cursor = offset
+        self._end = offset + nbytes
+
+    def place(self, position: int, item: Readable) -> ChunkFrame | None:
+        """Copy ``item``'s payload to the next free bytes; its chunk, or None when it does not fit."""
+        n = item.nbytes
+        if self._cursor + n > self._end:
+            return None
+        if isinstance(item, WireFrame):
+            payload, checksum = item.payload(), item.checksum
+        else:
+            assert isinstance(item, Block)
+            payload, checksum = item.as_bytes_view(), 0  # the client verifies no region block
+        np.copyto(self._region.window(self._cursor, n), np.frombuffer(payload, dtype=np.uint8))
+        frame = ChunkFrame(position, meta_to_msg(item.meta), 0, b"", True, checksum, in_region=True,
+                           region_offset=self._cursor)
+        self._cursor += n
+        return frame
+
+
 class KvCacheService(pb_grpc.KvCacheServicer):
     """Serves one TieredStore to many authenticated clients.
 
@@ -202,16 +247,20 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         if request.mode not in (pb.GET_MODE_EACH, pb.GET_MODE_PREFIX):
             raise InvalidRequest(f"unknown get mode {request.mode}")
         sent = [0]  # blocks streamed; a stream that ends early (however) counts as a miss
-        try:
-            if request.mode == pb.GET_MODE_EACH:
-                self.gate.admit(p)
-                yield from self._get_each(keys, call, sent)
-            else:
-                yield from self._get_prefix(keys, call, sent)
-        finally:
-            self.gate.served(p, sent[0], len(keys))
+        with self._region(call) as region:
+            out = None if region is None else RegionWriter(region, request.region_offset, request.region_bytes)
+            try:
+                if request.mode == pb.GET_MODE_EACH:
+                    self.gate.admit(p)
+                    yield from self._get_each(keys, call, sent, out)
+                else:
+                    yield from self._get_prefix(keys, call, sent, out)
+            finally:
+                self.gate.served(p, sent[0], len(keys))
 
-    def _get_prefix(self, keys: list[BlockKey], call: Call, sent: list[int]) -> Iterator[ChunkFrame | bytes]:
+    def _get_prefix(
+        self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
+    ) -> Iterator[ChunkFrame | bytes]:
         lk = self.gate.lookup(call.principal, keys, then_read=True).lookup
         step = self.limits.get_batch_blocks
         # Pinned for the whole stream: a block promised by this lookup is not evicted before it
@@ -221,12 +270,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 call.check_deadline()
                 b = min(a + step, lk.length)
                 got = self.store.load(lk.slice(a, b), first=self._frames)
-                yield from self._send(call, [(a + i, x) for i, x in enumerate(got)])
+                yield from self._send(call, [(a + i, x) for i, x in enumerate(got)], out)
                 sent[0] += len(got)
                 if len(got) < b - a:
                     return  # a block vanished or failed verification: the prefix ends here
 
-    def _get_each(self, keys: list[BlockKey], call: Call, sent: list[int]) -> Iterator[ChunkFrame | bytes]:
+    def _get_each(
+        self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
+    ) -> Iterator[ChunkFrame | bytes]:
         step = self.limits.get_batch_blocks
         may = self.gate.each(call.principal, keys)
         with self.store.pins.hold(keys):
@@ -235,10 +286,40 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 pos = [i for i in range(a, min(a + step, len(keys))) if may[i]]
                 got = self.store.get_each([keys[i] for i in pos], first=self._frames)
                 items = [(i, x) for i, x in zip(pos, got, strict=True) if x is not None]
-                yield from self._send(call, items)
+                yield from self._send(call, items, out)
                 sent[0] += len(items)
 
-    def _send(self, call: Call, items: Sequence[tuple[int, Readable]]) -> Iterator[ChunkFrame | bytes]:
+    def _send(
+        self, call: Call, items: Sequence[tuple[int, Readable]], out: RegionWriter | None = None
+    ) -> Iterator[ChunkFrame | bytes]:
+        """Stream ``items`` in order: into the call's region while they fit (a run of such
+        blocks is one small message), each one that does not fit inline."""
+        if out is None:
+            yield from self._send_inline(call, items)
+            return
+        i = 0
+        while i < len(items):
+            # The gate is asked before any byte lands where the client can read it.
+            self.gate.require_still_active(call.principal)
+            placed: list[ChunkFrame] = []
+            payload = 0
+            # A message per few MiB: the client copies one message's blocks out while the next
+            # ones are copied in (on two cores the copies overlap instead of adding up).
+            while payload < REGION_MESSAGE_BYTES and i < len(items):
+                f = out.place(*items[i])
+                if f is None:
+                    break
+                placed.append(f)
+                payload += items[i][1].nbytes
+                i += 1
+            if placed:
+                placed[0].more = placed[1:]
+                yield placed[0]
+            elif i < len(items):  # too large for what is left of the window
+                yield from self._send_inline(call, items[i : i + 1])
+                i += 1
+
+    def _send_inline(self, call: Call, items: Sequence[tuple[int, Readable]]) -> Iterator[ChunkFrame | bytes]:
         lease = call.lease
         total = sum(x.nbytes for _, x in items)
         lease.reserve(total)
@@ -253,6 +334,22 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         finally:
             lease.release(total)
 
+    @contextmanager
+    def _region(self, call: Call) -> Iterator[SharedRegion | None]:
+        """The shared-memory region the call names (metadata ``kvtier-region``), if any."""
+        handle = next((v for k, v in call.context.invocation_metadata() or () if k == REGION_METADATA), None)
+        if handle is None:
+            yield None
+            return
+        if self.parts.regions is None:
+            raise InvalidRequest("this daemon offers no shared-memory data plane")
+        assert call.credential is not None
+        with self.parts.regions.use(str(handle), call.credential) as region:
+            yield region
+
+    def DataPlane(self, request: pb.DataPlaneRequest, call: Call) -> pb.DataPlaneResponse:
+        return self.parts.data_plane()
+
     # -- put --------------------------------------------------------------------------------------
     def Put(self, requests: Iterator[pb.BlockChunk], call: Call) -> pb.PutResponse:
         p = call.principal
@@ -266,7 +363,14 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             lease.reserve(meta.nbytes)
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
 
-        asm = BlockAssembler(allocate)
+        durable = any(k == DURABLE_METADATA and v == "1" for k, v in call.context.invocation_metadata() or ())
+        with self._region(call) as region:
+            asm = BlockAssembler(allocate, region=None if region is None else region.window, verify_region=True)
+            return self._put_stream(requests, call, asm, writable, durable)
+
+    def _put_stream(self, requests: Iterator[pb.BlockChunk], call: Call, asm: BlockAssembler,
+                    writable: dict[ScopeDomain, bool], durable: bool) -> pb.PutResponse:
+        lease = call.lease
         out = pb.PutResponse()
         batch: list[Block] = []
         batch_bytes = 0
@@ -284,18 +388,18 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             batch.append(blk)
             batch_bytes += blk.nbytes
             if batch_bytes >= self.limits.put_batch_bytes:
-                self._commit(batch, out, call)
+                self._commit(batch, out, call, durable)
                 batch, batch_bytes = [], 0
         if asm.open:
             raise InvalidRequest(f"stream ended inside block {asm.open_position} (its last chunk never came)")
-        self._commit(batch, out, call)
+        self._commit(batch, out, call, durable)
         return out
 
-    def _commit(self, batch: list[Block], out: pb.PutResponse, call: Call) -> None:
+    def _commit(self, batch: list[Block], out: pb.PutResponse, call: Call, durable: bool) -> None:
         if not batch:
             return
         try:
-            report = self.store.put(batch)
+            report = self.store.put(batch, durable=durable)
             present = sum(report.outcomes[b.key].outcome is PutOutcome.PRESENT for b in batch)
             # While the timing mitigations are on, "already present" is answered as "stored".
             reveal = self.gate.reveals_presence(call.principal, present)
@@ -393,6 +497,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         out.server.active_rpcs = self.parts.concurrency.active
         out.server.calls.update(srv["calls"])
         out.server.errors.update(srv["errors"])
+        if self.parts.regions is not None:
+            out.server.data_plane_regions, out.server.data_plane_bytes = self.parts.regions.snapshot()
         return out
 
     def _own_stats(self, visible: dict[ScopeDomain, Scope]) -> pb.StatsResponse:
@@ -445,6 +551,8 @@ def service_handler(service: KvCacheService) -> grpc.GenericRpcHandler:
         "Revoke": unary(service.Revoke, pb.RevokeRequest.FromString, pb.RevokeResponse.SerializeToString),
         "Stats": unary(service.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
         "Domains": unary(service.Domains, pb.DomainsRequest.FromString, pb.DomainsResponse.SerializeToString),
+        "DataPlane": unary(service.DataPlane, pb.DataPlaneRequest.FromString,
+                           pb.DataPlaneResponse.SerializeToString),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["KvCache"].methods_by_name) - set(methods)
     assert not missing, f"service_handler lacks {missing}"

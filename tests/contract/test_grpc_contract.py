@@ -1,9 +1,10 @@
 """GrpcTier under the shared tier contract, against a real in-process daemon per tier.
 
-Each tier is a daemon with one memory tier of the contract's capacity, reached over loopback
-gRPC with a signed token. The daemon's server secret is the helpers' SECRET, so the helpers'
-keys are the ones the daemon's policy recognises. Three contract tests are restated: their
-subject (the tier's own eviction counter, a PinTable, two users' scopes) lives inside the daemon.
+Each tier is a daemon with one memory tier of the contract's capacity, reached over loopback gRPC
+with a signed token, once with payloads through shared memory and once inline. The daemon's
+server secret is the helpers' SECRET, so the helpers' keys are the ones the daemon's policy
+recognises. Three contract tests are restated: their subject (the tier's own eviction counter, a
+PinTable, two users' scopes) lives inside the daemon.
 """
 
 from __future__ import annotations
@@ -30,14 +31,21 @@ def daemons():
 
 
 class TestGrpcTier(TierContract):
+    @pytest.fixture(params=["shm", "tcp"])
+    def data_plane(self, request):
+        """Both payload paths: the shared-memory region (required, so a failure to attach fails)
+        and inline gRPC."""
+        return request.param
+
     @pytest.fixture
-    def make_tier(self, tmp_path, daemons):
+    def make_tier(self, tmp_path, daemons, data_plane):
         def make(capacity_bytes: int) -> GrpcTier:
             dep = LocalDeployment(tmp_path / f"d{len(daemons)}", server_secret=SECRET)
             dep.write_config(memory_bytes=capacity_bytes)
             daemon = Daemon(dep.config()).start()
             token = dep.token(TENANT, USER, session=SESSION, roles=("publish:public",))
-            tier = GrpcTier(GrpcTierConfig(daemon.address, token, timeout_s=10.0))
+            tier = GrpcTier(GrpcTierConfig(daemon.address, token, timeout_s=10.0, data_plane=data_plane,
+                                           region_bytes=4 << 20))
             daemons.append((daemon, tier))
             return tier
 

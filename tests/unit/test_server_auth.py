@@ -93,7 +93,7 @@ def test_gate_authentication(tmp_path: Path) -> None:
     try:
         token = mint(key, MintRequest(Principal("acme", "alice"), 60), now=clock.t)
         md = (("authorization", f"Bearer {token}"),)
-        assert gate.authenticate(md).id == "acme/alice"
+        assert gate.authenticate(md)[1].id == "acme/alice"
         for bad in [(), (("authorization", token),), (("authorization", "Bearer x.y.z"),)]:
             with pytest.raises(AuthError):
                 gate.authenticate(bad)

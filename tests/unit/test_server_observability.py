@@ -27,7 +27,8 @@ def test_collector_reads_live_tier_and_server_state() -> None:
     server.mitigated("public_probe_hidden", 2)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(DaemonCollector([tier], {"memory"}, server, ServerGauges(lambda: 7, lambda: 1, lambda: 2,
-                                                                           lambda: 3, lambda: {"applied": 4})))
+                                                                           lambda: 3, lambda: {"applied": 4},
+                                                                           lambda: (2, 4096))))
     text = generate_latest(reg).decode()
     for line in ('kvtier_tier_hits_total{tier="memory"} 3.0', 'kvtier_tier_misses_total{tier="memory"} 1.0',
                  'kvtier_tier_errors_total{cause="corrupt",tier="memory"} 1.0', 'kvtier_tier_blocks{tier="memory"} 3.0',
@@ -36,7 +37,8 @@ def test_collector_reads_live_tier_and_server_state() -> None:
                  'kvtier_rpc_latency_seconds_bucket{le="0.005",method="Get"} 1.0', "kvtier_inflight_bytes 7.0",
                  'kvtier_overload_refusals_total{limit="concurrency"} 3.0',
                  'kvtier_timing_mitigations_total{what="public_probe_hidden"} 2.0',
-                 'kvtier_revocation_sync_total{outcome="applied"} 4.0'):
+                 'kvtier_revocation_sync_total{outcome="applied"} 4.0', "kvtier_data_plane_regions 2.0",
+                 "kvtier_data_plane_bytes 4096.0"):
         assert line in text, line
     tier.close()
 

@@ -54,9 +54,61 @@ def test_frame_codec_is_protobuf(position, offset, data, last, checksum, with_me
     assert (back.meta is None) == (meta is None) and (meta is None or back.meta == meta)
 
 
+@settings(max_examples=40, deadline=None)
+@given(position=st.integers(0, 2**32 - 1), region_offset=st.integers(0, 2**64 - 5), n_more=st.integers(0, 3))
+def test_region_chunks_are_protobuf(position, region_offset, n_more) -> None:
+    meta = meta_to_msg(chain_blocks(1)[0].meta)
+    more = [ChunkFrame(0, meta, 0, b"", True, 7, in_region=True, region_offset=region_offset + i + 1)
+            for i in range(n_more)]
+    frame = ChunkFrame(position, meta, 0, b"", True, 9, more, in_region=True, region_offset=region_offset)
+    msg = pb.BlockChunk(position=position, meta=meta, last=True, checksum=9, in_region=True,
+                        region_offset=region_offset,
+                        more=[pb.BlockChunk(meta=meta, last=True, checksum=7, in_region=True,
+                                            region_offset=region_offset + i + 1) for i in range(n_more)])
+    assert encode_frame(frame) == msg.SerializeToString()
+    back = decode_frame(msg.SerializeToString())
+    assert (back.in_region, back.region_offset) == (True, region_offset)
+    assert [(m.in_region, m.region_offset) for m in back.more] == [(True, region_offset + i + 1) for i in range(n_more)]
+
+
+def test_the_assembler_takes_whole_blocks_from_a_region_and_checks_them() -> None:
+    import numpy as np
+    import xxhash
+
+    blocks = chain_blocks(2)
+    region = np.zeros(4 * BPB, dtype=np.uint8)
+    region[BPB : 2 * BPB] = blocks[0].data.view(torch.uint8).reshape(-1).numpy()
+
+    def window(off: int, n: int) -> np.ndarray:
+        if off + n > region.size:
+            raise InvalidRequest("outside")
+        return region[off : off + n]
+
+    good = ChunkFrame(0, meta_to_msg(blocks[0].meta), 0, b"", True, xxhash.xxh3_64_intdigest(region[BPB : 2 * BPB]),
+                      in_region=True, region_offset=BPB)
+    asm = BlockAssembler(empty, region=window)
+    [(pos, got)] = list(asm.feed_message(good))
+    assert pos == 0 and same_bytes(got, blocks[0]) and asm.region_bytes == BPB
+    bad = ChunkFrame(0, good.meta, 0, b"", True, good.checksum ^ 1, in_region=True, region_offset=BPB)
+    with pytest.raises(InvalidRequest, match="checksum"):
+        list(BlockAssembler(empty, region=window).feed_message(bad))
+    assert list(BlockAssembler(empty, region=window, verify_region=False).feed_message(bad))  # the client's choice
+    cases = [
+        (ChunkFrame(0, good.meta, 0, b"", True, 0, in_region=True, region_offset=4 * BPB - 1), None, "outside"),
+        (good, "no region", "has none"),
+        (ChunkFrame(0, good.meta, 0, b"x", True, 0, in_region=True), None, "whole block"),
+        (ChunkFrame(0, good.meta, 0, b"", False, 0, in_region=True), None, "whole block"),
+        (ChunkFrame(0, None, 0, b"", True, 0, in_region=True), None, "whole block"),
+    ]
+    for chunk, no_region, message in cases:
+        asm = BlockAssembler(empty) if no_region else BlockAssembler(empty, region=window)
+        with pytest.raises(InvalidRequest, match=message):
+            list(asm.feed_message(chunk))
+
+
 def test_decode_skips_unknown_fields_and_refuses_garbage() -> None:
     msg = pb.BlockChunk(position=2, data=b"xyz", last=True)
-    extra = msg.SerializeToString() + bytes([0x40, 0x05]) + bytes([0x4A, 0x02]) + b"ab"  # fields 8 and 9
+    extra = msg.SerializeToString() + bytes([0x50, 0x05]) + bytes([0x5A, 0x02]) + b"ab"  # fields 10 and 11
     f = decode_frame(extra)
     assert (f.position, bytes(f.data), f.last) == (2, b"xyz", True)
     for bad in (b"\x22\x10abc", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x0b"):

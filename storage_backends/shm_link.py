@@ -1,0 +1,186 @@
+"""The client half of the shared-memory data plane: one region per channel to a daemon.
+
+``DataPlaneSession`` attaches a region on first use (``DataPlane`` says where the daemon's
+socket is; ``kvtier.dataplane.handshake`` hands it over), re-attaches after the daemon lost it
+(a restart), and answers None whenever shared memory cannot be had: no socket offered (the
+daemon runs with ``server.data_plane = "off"``, or is older), a socket this process cannot
+reach (another node, another user, another container), a refusal (bounds, credential), or an
+answer from some other daemon than the one this channel talks to. The caller then sends its
+bytes inline over gRPC: the fallback is automatic, and logged once per cause.
+
+On CUDA the region is registered as pinned host memory, so a block read into it is one DMA away
+from the GPU, and the region doubles as the transfer staging buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.dataplane.handshake import Attached, Hello, read_reply, send_hello
+from kvtier.dataplane.region import SharedRegion
+from kvtier.dataplane.slices import SliceAllocator
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.rpc import kvtier_pb2 as pb
+
+log = logging.getLogger("kvtier.client")
+
+#: How long a failed attachment is not retried (a daemon without a data plane answers the same
+#: every time; one restarted with one is picked up after this).
+RETRY_AFTER_S = 30.0
+#: Connecting and the handshake: one small exchange on the local machine.
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+class DataPlaneUnavailable(KvtierError):
+    """Shared memory cannot be used with this daemon from this process (the reason says why)."""
+
+
+@dataclass(slots=True)
+class SharedMemoryLink:
+    """An attached region: the connection that keeps it attached, the mapping, its slices.
+
+    Invariants: ``handle`` names ``region`` in the daemon for as long as ``sock`` is open;
+    ``tensor`` views the whole region (pinned when CUDA is available). ``close`` once.
+    """
+
+    sock: socket.socket
+    region: SharedRegion
+    handle: str
+    slices: SliceAllocator
+    tensor: torch.Tensor
+    pinned: bool
+    #: Bytes of the largest block read lately: how much of the region a read of n unknown-size
+    #: blocks asks for (n times this, at most half the region; a quarter before the first read).
+    typical_block_bytes: int = 0
+
+    @classmethod
+    def attach(cls, offer: pb.DataPlaneResponse, token: str, nbytes: int) -> SharedMemoryLink:
+        if not offer.socket:
+            raise DataPlaneUnavailable("the daemon offers no shared-memory data plane")
+        nbytes = min(nbytes, offer.max_region_bytes) if offer.max_region_bytes else nbytes
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        region: SharedRegion | None = None
+        try:
+            sock.connect(offer.socket)
+            region = SharedRegion.create(nbytes)
+            send_hello(sock, Hello(token, region.nbytes), region.fd)
+            reply = read_reply(sock)
+            if not isinstance(reply, Attached):
+                raise DataPlaneUnavailable(f"the daemon refused the region: {reply[0]}: {reply[1]}")
+            if reply.instance != offer.instance:
+                raise DataPlaneUnavailable(f"{offer.socket} belongs to another daemon than this channel's")
+            region.close()  # the mapping stays; the daemon holds its own descriptor
+            tensor = torch.from_numpy(region.array)
+            pinned = _pin(tensor)
+            sock.settimeout(None)
+            return cls(sock, region, reply.region, SliceAllocator(region.nbytes), tensor, pinned)
+        except OSError as exc:
+            sock.close()
+            if region is not None:
+                region.close()
+            raise DataPlaneUnavailable(f"cannot attach through {offer.socket}: {exc}") from None
+        except BaseException:
+            sock.close()
+            if region is not None:
+                region.close()
+            raise
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.nbytes
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        self.sock.close()  # the daemon detaches the region when this connection ends
+
+
+def _pin(t: torch.Tensor) -> bool:
+    """Register the region as pinned memory when a GPU is present (one copy to it, not two)."""
+    if not torch.cuda.is_available():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(rc) != 0:
+        raise DataPlaneUnavailable(f"cudaHostRegister of the region failed ({rc})")
+    return True
+
+
+class DataPlaneSession:
+    """The shared-memory link of one channel (shared by every client on it).
+
+    Modes: ``auto`` (shared memory when it can be had, else inline), ``shm`` (required: a
+    failure raises DataPlaneUnavailable), ``tcp`` (never). Thread-safe: attachment happens under
+    one lock; a link handed out stays valid until ``lost`` or ``close`` (calls in flight on a
+    lost link fail with RegionUnavailable and are retried inline by the caller).
+    """
+
+    MODES = ("auto", "shm", "tcp")
+
+    def __init__(self, mode: str, region_bytes: int) -> None:
+        if mode not in self.MODES:
+            raise ConfigError(f"data_plane must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self.region_bytes = region_bytes
+        self._link: SharedMemoryLink | None = None
+        self._failed_at = -RETRY_AFTER_S
+        self._reason = "not attached yet" if mode != "tcp" else "inline by configuration"
+        self._lock = threading.Lock()
+        #: Payload bytes moved through the region, by direction ("get", "put").
+        self.moved_bytes = {"get": 0, "put": 0}
+
+    @property
+    def current(self) -> SharedMemoryLink | None:
+        """The attached link, if any (attaches nothing)."""
+        return self._link
+
+    @property
+    def state(self) -> str:
+        """``shm``, or ``inline: <why>``."""
+        return "shm" if self._link is not None else f"inline: {self._reason}"
+
+    def link(self, offer: Callable[[], pb.DataPlaneResponse], token: Callable[[], str]) -> SharedMemoryLink | None:
+        if self.mode == "tcp":
+            return None
+        with self._lock:
+            if self._link is not None:
+                return self._link
+            if self.mode == "auto" and time.monotonic() - self._failed_at < RETRY_AFTER_S:
+                return None
+            try:
+                self._link = SharedMemoryLink.attach(offer(), token(), self.region_bytes)
+                log.info("shared-memory data plane attached", extra={"event": "data_plane", "bytes": self._link.nbytes})
+                return self._link
+            except KvtierError as exc:  # DataPlaneUnavailable, or the DataPlane call failed
+                self._failed_at = time.monotonic()
+                if self.mode == "shm":
+                    raise
+                if str(exc) != self._reason:
+                    log.info("inline data path", extra={"event": "data_plane", "reason": str(exc)})
+                self._reason = str(exc)
+                return None
+
+    def moved(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            self.moved_bytes[direction] += nbytes
+
+    def lost(self, link: SharedMemoryLink) -> None:
+        """The daemon no longer knows ``link`` (it restarted): drop it; the next call re-attaches."""
+        with self._lock:
+            if self._link is link:
+                self._link = None
+                self._reason = "the daemon lost the region; re-attaching"
+        link.close()
+
+    def close(self) -> None:
+        with self._lock:
+            link, self._link = self._link, None
+        if link is not None:
+            link.close()

@@ -1,0 +1,388 @@
+"""The shared-memory data plane (issue 16, point 1) against a real daemon on this machine.
+
+Byte equality over shared memory (and for blocks too large for a call's share, which travel
+inline in the same stream); isolation (a region is a nameless memfd bound to the credential
+that attached it: another credential can neither fill nor drain it, and a refused read writes
+nothing into it); bad hellos refused with a clear error and nothing attached; reclaim when a
+client is killed; and the automatic fallback to the inline path (no data plane offered, socket
+unreachable, bound reached, daemon restarted).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import xxhash
+
+from benchmarks.localdeploy import LocalDeployment
+from kvtier.dataplane.handshake import Attached, Hello, read_reply, send_hello
+from kvtier.dataplane.region import SharedRegion
+from kvtier.keys import Scope
+from kvtier.layout import KVLayout
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc.names import AUTH_METADATA, REGION_METADATA, SERVICE_NAME
+from kvtier.rpc.wire import ChunkFrame, encode_frame, meta_to_msg
+from kvtier.server.daemon import Daemon
+from storage_backends.grpc import GrpcTier, GrpcTierConfig
+from storage_backends.shm_link import DataPlaneUnavailable
+from tests.helpers import SECRET, chain_blocks, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+#: 64 KiB blocks: large enough to be worth a region, small enough to keep the suite fast.
+MID = KVLayout("shm-test", num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16", block_tokens=32)
+
+
+def _start(root: Path, *, server: dict | None = None) -> tuple[LocalDeployment, Daemon]:
+    dep = LocalDeployment(root, server_secret=SECRET)
+    dep.write_config(memory_bytes=256 << 20, server=server)
+    return dep, Daemon(dep.config()).start()
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    dep, daemon = _start(tmp_path / "d")
+    yield dep, daemon
+    daemon.stop(grace_s=0)
+
+
+def _tier(daemon: Daemon, token: str, **kw) -> GrpcTier:
+    return GrpcTier(GrpcTierConfig(daemon.address, token, timeout_s=10.0, **kw))
+
+
+def _raw_get(daemon: Daemon, token: str, region: str, keys: list[bytes], offset: int = 0,
+             nbytes: int = 1 << 20) -> list[pb.BlockChunk]:
+    with grpc.insecure_channel(daemon.address) as ch:
+        get = ch.unary_stream(f"/{SERVICE_NAME}/Get", request_serializer=pb.GetRequest.SerializeToString,
+                              response_deserializer=pb.BlockChunk.FromString)
+        md = ((AUTH_METADATA, f"Bearer {token}"), (REGION_METADATA, region))
+        return list(get(pb.GetRequest(keys=keys, region_offset=offset, region_bytes=nbytes), metadata=md,
+                        timeout=10))
+
+
+def _raw_put(daemon: Daemon, token: str, region: str, frames: list[ChunkFrame]) -> pb.PutResponse:
+    with grpc.insecure_channel(daemon.address) as ch:
+        put = ch.stream_unary(f"/{SERVICE_NAME}/Put", request_serializer=encode_frame,
+                              response_deserializer=pb.PutResponse.FromString)
+        md = ((AUTH_METADATA, f"Bearer {token}"), (REGION_METADATA, region))
+        return put(iter(frames), metadata=md, timeout=10)
+
+
+def _offer(daemon: Daemon) -> pb.DataPlaneResponse:
+    return daemon._data_plane_offer()
+
+
+def _memfd_maps(pid: int | str = "self") -> int:
+    return sum("memfd:kvtier-region" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+# -- bytes ------------------------------------------------------------------------------------------
+def test_put_and_every_read_are_byte_exact_over_shared_memory(deployment) -> None:
+    dep, daemon = deployment
+    tier = _tier(daemon, dep.token("acme", "alice", session="s1"), data_plane="shm")
+    blocks = chain_blocks(12, layout=MID, scope=Scope.user("acme/alice"))
+    keys = [b.key for b in blocks]
+    assert tier.put(blocks).stored == keys
+    assert tier.data_plane == "shm"
+    assert daemon.regions is not None and daemon.regions.snapshot()[0] == 1
+    total = sum(b.nbytes for b in blocks)
+    assert tier.session.moved_bytes["put"] == total, "every payload went through the region"
+
+    got = tier.get(keys)
+    assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
+    outs = [torch.zeros_like(b.data) for b in blocks]
+    tier.get_into(keys, outs)
+    assert all(torch.equal(o.view(torch.uint8), b.data.view(torch.uint8)) for o, b in zip(outs, blocks, strict=True))
+    prefix = tier.get_prefix(keys)
+    assert [b.key for b in prefix] == keys and all(p.equal_bytes(b) for p, b in zip(prefix, blocks, strict=True))
+    assert tier.session.moved_bytes["get"] == 3 * total
+    tier.close()
+    assert wait_for(lambda: daemon.regions.snapshot()[0] == 0), "closing the client detaches its region"
+
+
+def test_blocks_beyond_the_share_travel_inline_in_the_same_call(deployment) -> None:
+    dep, daemon = deployment
+    big = KVLayout("shm-big", num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_tokens=32)
+    blocks = chain_blocks(8, layout=big, scope=Scope.user("acme/alice"))  # 8 x 512 KiB = 4 MiB
+    tier = _tier(daemon, dep.token("acme", "alice", session="s1"), data_plane="shm", region_bytes=1 << 20)
+    assert sorted(tier.put(blocks).stored) == sorted(b.key for b in blocks)
+    assert tier.session.moved_bytes["put"] == 2 * blocks[0].nbytes, "two blocks fit the 1 MiB region"
+    outs = [torch.zeros_like(b.data) for b in blocks]
+    got = tier.get_into([b.key for b in blocks], outs)
+    assert all(g is not None for g in got)
+    assert all(torch.equal(o.view(torch.uint8), b.data.view(torch.uint8)) for o, b in zip(outs, blocks, strict=True))
+    assert tier.session.moved_bytes["get"] == 2 * blocks[0].nbytes
+    tier.close()
+
+
+# -- isolation --------------------------------------------------------------------------------------
+def test_a_region_is_a_nameless_memfd_and_the_socket_is_owner_only(deployment) -> None:
+    dep, daemon = deployment
+    tier = _tier(daemon, dep.token("acme", "alice"), data_plane="shm")
+    tier.put(chain_blocks(1, layout=MID))
+    link = tier.session.current
+    assert link is not None
+    offer = _offer(daemon)
+    assert stat.S_IMODE(os.stat(offer.socket).st_mode) == 0o600
+    # The client's own descriptor is closed once the daemon holds one; the mapping is a memfd.
+    assert _memfd_maps() >= 1
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "kvtier-region" in line:
+            assert "/memfd:kvtier-region" in line and "(deleted)" in line, line
+    tier.close()
+
+
+def test_another_credential_can_neither_fill_nor_drain_a_region(deployment) -> None:
+    dep, daemon = deployment
+    alice = _tier(daemon, dep.token("acme", "alice"), data_plane="shm")
+    public = chain_blocks(2, layout=MID, scope=Scope.public(), seed=5)
+    private = chain_blocks(2, layout=MID, scope=Scope.user("acme/alice"), seed=6)
+    pub_writer = _tier(daemon, dep.token("acme", "pub", roles=("publish:public",)), data_plane="tcp")
+    pub_writer.put(public)
+    alice.put(private)
+    link = alice.session.current
+    assert link is not None
+    bob = dep.token("acme", "bob")
+    # Bob may read the public blocks, but not into Alice's region.
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_get(daemon, bob, link.handle, [b.key for b in public])
+    assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    # Nor copy what Alice's region holds into his own cache (the region still holds her blocks).
+    n = private[0].nbytes
+    frame = ChunkFrame(0, meta_to_msg(private[0].meta), 0, b"", True,
+                       xxhash.xxh3_64_intdigest(memoryview(link.region.window(0, n))), in_region=True)
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_put(daemon, bob, link.handle, [frame])
+    assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    # Alice's own call for keys she may not read is refused before a byte lands in her region.
+    link.region.window(0, 1 << 20)[:] = 0
+    bobs = chain_blocks(1, layout=MID, scope=Scope.user("acme/bob"), seed=7)
+    _tier(daemon, bob, data_plane="tcp").put(bobs)
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_get(daemon, dep.token("acme", "alice"), link.handle, [bobs[0].key])
+    assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert not link.region.window(0, 1 << 20).any()
+    alice.close()
+
+
+def test_a_window_outside_the_region_and_a_bad_checksum_are_refused(deployment) -> None:
+    dep, daemon = deployment
+    token = dep.token("acme", "alice")
+    tier = _tier(daemon, token, data_plane="shm")
+    blocks = chain_blocks(2, layout=MID, scope=Scope.user("acme/alice"))
+    tier.put(blocks[:1])
+    link = tier.session.current
+    assert link is not None
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_get(daemon, token, link.handle, [blocks[0].key], offset=link.nbytes - 4096, nbytes=1 << 20)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    link.region.window(0, blocks[1].nbytes)[:] = blocks[1].data.view(torch.uint8).reshape(-1).numpy()
+    bad = ChunkFrame(0, meta_to_msg(blocks[1].meta), 0, b"", True, 12345, in_region=True)
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_put(daemon, token, link.handle, [bad])
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert tier.contains([blocks[1].key]) == 0, "nothing of a refused put is stored"
+    outside = ChunkFrame(0, meta_to_msg(blocks[1].meta), 0, b"", True, 1, in_region=True,
+                         region_offset=link.nbytes - 4096)
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_put(daemon, token, link.handle, [outside])
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    # An unknown handle is the "region lost" answer clients recover from.
+    with pytest.raises(grpc.RpcError) as err:
+        _raw_get(daemon, token, "00" * 16, [blocks[0].key])
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    tier.close()
+
+
+def _hello(path: str, token: str, fd: int, nbytes: int) -> Attached | tuple[str, str]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        send_hello(s, Hello(token, nbytes), fd)
+        return read_reply(s)
+
+
+def test_bad_hellos_get_a_clear_refusal_and_attach_nothing(deployment, tmp_path) -> None:
+    dep, daemon = deployment
+    path = _offer(daemon).socket
+    token = dep.token("acme", "alice")
+    refusals = []
+    # Not a memfd: a plain file.
+    f = tmp_path / "plain"
+    f.write_bytes(b"\0" * 4096)
+    fd = os.open(f, os.O_RDWR)
+    refusals.append(_hello(path, token, fd, 4096))
+    os.close(fd)
+    # A memfd without seals (could shrink under the daemon's mapping).
+    fd = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    refusals.append(_hello(path, token, fd, 4096))
+    # Sealed, but a size that disagrees with the hello; then a token that is not one.
+    small = SharedRegion.create(4096)
+    refusals.append(_hello(path, token, small.fd, 8192))
+    refusals.append(_hello(path, "not-a-token", small.fd, 4096))
+    os.close(fd)
+    kinds = [r[0] if isinstance(r, tuple) else "attached" for r in refusals]
+    assert kinds == ["RegionRefused", "RegionRefused", "RegionRefused", "AuthError"], refusals
+    assert daemon.regions.snapshot() == (0, 0)  # (a region over the size bound: test_the_bounds_*)
+    small.close()
+    # The daemon still serves.
+    tier = _tier(daemon, token, data_plane="shm")
+    assert tier.put(chain_blocks(1, layout=MID, scope=Scope.user("acme/alice"))).stored
+    tier.close()
+
+
+def test_the_bounds_refuse_and_the_client_goes_inline(tmp_path) -> None:
+    dep, daemon = _start(tmp_path / "d", server={"max_region_bytes": 2 << 20, "max_regions_per_client": 1})
+    try:
+        token = dep.token("acme", "alice")
+        path = _offer(daemon).socket
+        too_big = SharedRegion.create(4 << 20)
+        reply = _hello(path, token, too_big.fd, too_big.nbytes)
+        assert isinstance(reply, tuple) and reply[0] == "RegionRefused" and "at most" in reply[1]
+        too_big.close()
+        first = _tier(daemon, token, data_plane="shm", region_bytes=8 << 20)
+        blocks = chain_blocks(4, layout=MID, scope=Scope.user("acme/alice"))
+        first.put(blocks)
+        assert first.session.current is not None and first.session.current.nbytes == 2 << 20, "capped"
+        second = _tier(daemon, token)  # auto: the credential's one region is taken
+        got = second.get([b.key for b in blocks])
+        assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
+        assert second.data_plane.startswith("inline:") and "Overloaded" in second.data_plane
+        with pytest.raises(DataPlaneUnavailable):
+            _tier(daemon, token, data_plane="shm").get([blocks[0].key])
+        first.close()
+        second.close()
+    finally:
+        daemon.stop(grace_s=0)
+
+
+# -- reclaim ----------------------------------------------------------------------------------------
+CLIENT = textwrap.dedent("""
+    import sys, time
+    from kvtier.keys import Scope
+    from storage_backends.grpc import GrpcTier, GrpcTierConfig
+    from tests.helpers import chain_blocks
+    from tests.integration.test_shm_data_plane import MID
+    tier = GrpcTier(GrpcTierConfig(sys.argv[1], sys.argv[2], data_plane="shm", region_bytes=8 << 20))
+    blocks = chain_blocks(4, layout=MID, seed=9, scope=Scope.user("acme/alice"))
+    tier.put(blocks)
+    assert all(g is not None for g in tier.get([b.key for b in blocks]))
+    print("attached", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_killed_clients_region_is_detached_and_unmapped(deployment) -> None:
+    dep, daemon = deployment
+    baseline = _memfd_maps()
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, daemon.address, dep.token("acme", "alice")],
+                            cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"attached"
+        assert daemon.regions.snapshot() == (1, 8 << 20)
+        assert _memfd_maps() == baseline + 1, "the daemon maps the client's region"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert wait_for(lambda: daemon.regions.snapshot() == (0, 0)), "the region outlived its client"
+        assert wait_for(lambda: _memfd_maps() == baseline), "the daemon still maps the dead client's region"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- fallback ---------------------------------------------------------------------------------------
+def test_no_data_plane_offered_means_inline_automatically(tmp_path) -> None:
+    dep, daemon = _start(tmp_path / "d", server={"data_plane": "off"})
+    try:
+        token = dep.token("acme", "alice")
+        tier = _tier(daemon, token)
+        blocks = chain_blocks(3, layout=MID, scope=Scope.user("acme/alice"))
+        tier.put(blocks)
+        got = tier.get([b.key for b in blocks])
+        assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
+        assert tier.data_plane == "inline: the daemon offers no shared-memory data plane"
+        assert tier.session.moved_bytes == {"get": 0, "put": 0}
+        with pytest.raises(DataPlaneUnavailable):
+            _tier(daemon, token, data_plane="shm").put(blocks)
+        tier.close()
+    finally:
+        daemon.stop(grace_s=0)
+
+
+def test_an_unreachable_socket_means_inline_automatically(deployment) -> None:
+    dep, daemon = deployment
+    # What a client on another node (or in another container) sees: the path is not there.
+    os.unlink(_offer(daemon).socket)
+    tier = _tier(daemon, dep.token("acme", "alice"))
+    blocks = chain_blocks(3, layout=MID, scope=Scope.user("acme/alice"))
+    tier.put(blocks)
+    got = tier.get([b.key for b in blocks])
+    assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
+    assert tier.data_plane.startswith("inline: cannot attach through")
+    tier.close()
+
+
+def test_a_restarted_daemon_is_read_inline_then_reattached(tmp_path) -> None:
+    sock = tempfile.mkdtemp(prefix="kvt-") + "/kv.sock"  # short: unix socket paths are bounded
+    dep, daemon = _start(tmp_path / "d", server={"listen": f"unix:{sock}"})
+    token = dep.token("acme", "alice")
+    tier = _tier(daemon, token, data_plane="auto")
+    blocks = chain_blocks(3, layout=MID, scope=Scope.user("acme/alice"))
+    tier.put(blocks)
+    assert tier.data_plane == "shm"
+    daemon.stop(grace_s=0)
+    daemon = Daemon(dep.config()).start()
+    try:
+        # The new daemon does not know the old region: this put goes inline, the next re-attaches.
+        assert tier.put(blocks).stored == [b.key for b in blocks]
+        got = tier.get([b.key for b in blocks])
+        assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
+        assert tier.data_plane == "shm" and daemon.regions.snapshot()[0] == 1
+        tier.close()
+    finally:
+        daemon.stop(grace_s=0)
+
+
+def test_the_region_seals_hold(deployment) -> None:
+    r = SharedRegion.create(8192)
+    seals = fcntl.fcntl(r.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+    with pytest.raises(PermissionError):
+        os.ftruncate(r.fd, 4096)
+    r.close()
+
+
+def test_blocks_read_without_a_copy_keep_their_slice_until_they_are_gone(deployment) -> None:
+    dep, daemon = deployment
+    tier = _tier(daemon, dep.token("acme", "alice"), data_plane="shm", region_bytes=2 << 20)
+    first = chain_blocks(4, layout=MID, scope=Scope.user("acme/alice"), seed=1)  # 4 x 128 KiB
+    other = chain_blocks(4, layout=MID, scope=Scope.user("acme/alice"), seed=2, token_base=10_000)
+    tier.put(first + other)
+    link = tier.session.current
+    assert link is not None
+    held = tier.get([b.key for b in first])  # a quarter of the region: all four fit
+    lo, hi = link.tensor.data_ptr(), link.tensor.data_ptr() + link.nbytes
+    assert all(h is not None and lo <= h.data.data_ptr() < hi for h in held), "views of the region, not copies"
+    tier.get([b.key for b in other])  # learns the block size: each later read asks for 512 KiB
+    for _ in range(40):  # ten times the region's size read meanwhile: none of it may land on `held`
+        again = tier.get([b.key for b in other])
+        assert all(a is not None and a.equal_bytes(b) for a, b in zip(again, other, strict=True))
+        del again
+    assert all(h is not None and h.equal_bytes(b) for h, b in zip(held, first, strict=True))
+    assert link.slices.free_bytes() < link.nbytes
+    del held
+    assert wait_for(lambda: link.slices.free_bytes() == link.nbytes), "the slice outlived its blocks"
+    tier.close()
