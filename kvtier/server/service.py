@@ -180,35 +180,55 @@ REVOKE_RULES: dict[int, RevokeRule] = {
 
 
 class RegionWriter:
-    """Where a Get puts payloads in the caller's region: the request's window, filled in order.
+    """Where a Get puts payloads in the caller's region: the request's window, filled in order,
+    and the chunks that describe them, sent a message per ``REGION_MESSAGE_BYTES`` of payload.
 
     Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
-    (checked once, here); each block is written whole or not at all. One per Get stream.
+    (checked once, here); each block is written whole or not at all; chunks leave in the order
+    their blocks were placed. One per Get stream, used by its thread only.
     """
 
-    __slots__ = ("_cursor", "_end", "_region")
+    __slots__ = ("_cursor", "_end", "_pending", "_pending_bytes", "_region")
 
     def __init__(self, region: SharedRegion, offset: int, nbytes: int) -> None:
         region.window(offset, nbytes)  # InvalidRequest unless the window lies in the region
         self._region = region
         self._cursor = offset
         self._end = offset + nbytes
+        self._pending: list[ChunkFrame] = []
+        self._pending_bytes = 0
 
-    def place(self, position: int, item: Readable) -> ChunkFrame | None:
-        """Copy ``item``'s payload to the next free bytes; its chunk, or None when it does not fit."""
+    def place(self, position: int, item: Readable) -> bool:
+        """Copy ``item``'s payload to the next free bytes and queue its chunk; False when it does not fit."""
         n = item.nbytes
         if self._cursor + n > self._end:
-            return None
+            return False
         if isinstance(item, WireFrame):
             payload, checksum = item.payload(), item.checksum
         else:
             assert isinstance(item, Block)
             payload, checksum = item.as_bytes_view(), 0  # the client verifies no region block
         np.copyto(self._region.window(self._cursor, n), np.frombuffer(payload, dtype=np.uint8))
-        frame = ChunkFrame(position, meta_to_msg(item.meta), 0, b"", True, checksum, in_region=True,
-                           region_offset=self._cursor)
+        self._pending.append(ChunkFrame(position, meta_to_msg(item.meta), 0, b"", True, checksum, in_region=True,
+                                        region_offset=self._cursor))
+        self._pending_bytes += n
         self._cursor += n
-        return frame
+        return True
+
+    @property
+    def full(self) -> bool:
+        """Enough placed for one message: the client copies its blocks out while the next ones
+        are copied in (on two cores the copies overlap instead of adding up)."""
+        return self._pending_bytes >= REGION_MESSAGE_BYTES
+
+    def take(self) -> ChunkFrame | None:
+        """The message describing every block placed since the last one (None: nothing placed)."""
+        if not self._pending:
+            return None
+        head, *rest = self._pending
+        head.more = rest
+        self._pending, self._pending_bytes = [], 0
+        return head
 
 
 class KvCacheService(pb_grpc.KvCacheServicer):
@@ -255,6 +275,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                     yield from self._get_each(keys, call, sent, out)
                 else:
                     yield from self._get_prefix(keys, call, sent, out)
+                if out is not None:
+                    yield from self._flush(out)
             finally:
                 self.gate.served(p, sent[0], len(keys))
 
@@ -292,32 +314,26 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     def _send(
         self, call: Call, items: Sequence[tuple[int, Readable]], out: RegionWriter | None = None
     ) -> Iterator[ChunkFrame | bytes]:
-        """Stream ``items`` in order: into the call's region while they fit (a run of such
-        blocks is one small message), each one that does not fit inline."""
+        """Stream ``items`` in order: into the call's region while they fit (described a message
+        per few MiB, the last by ``_flush``), each one that does not fit inline."""
         if out is None:
             yield from self._send_inline(call, items)
             return
-        i = 0
-        while i < len(items):
-            # The gate is asked before any byte lands where the client can read it.
-            self.gate.require_still_active(call.principal)
-            placed: list[ChunkFrame] = []
-            payload = 0
-            # A message per few MiB: the client copies one message's blocks out while the next
-            # ones are copied in (on two cores the copies overlap instead of adding up).
-            while payload < REGION_MESSAGE_BYTES and i < len(items):
-                f = out.place(*items[i])
-                if f is None:
-                    break
-                placed.append(f)
-                payload += items[i][1].nbytes
-                i += 1
-            if placed:
-                placed[0].more = placed[1:]
-                yield placed[0]
-            elif i < len(items):  # too large for what is left of the window
-                yield from self._send_inline(call, items[i : i + 1])
-                i += 1
+        # The gate is asked before any byte lands where the client can read it.
+        self.gate.require_still_active(call.principal)
+        for pos, item in items:
+            if out.place(pos, item):
+                if out.full:
+                    yield from self._flush(out)
+                continue
+            yield from self._flush(out)  # order: what was placed before goes first
+            yield from self._send_inline(call, [(pos, item)])
+
+    @staticmethod
+    def _flush(out: RegionWriter) -> Iterator[ChunkFrame]:
+        msg = out.take()
+        if msg is not None:
+            yield msg
 
     def _send_inline(self, call: Call, items: Sequence[tuple[int, Readable]]) -> Iterator[ChunkFrame | bytes]:
         lease = call.lease
