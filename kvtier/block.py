@@ -61,10 +61,15 @@ class Block(Described):
 
     Tiers copy payloads in and out: a caller never holds a view into a tier's own storage, so an
     eviction can never change bytes a caller is still using.
+
+    ``checksum``, when set, is the xxh3-64 of the payload as it was verified on arrival (the wire
+    assembler sets it): whoever encodes the block again reuses it instead of hashing twice. A
+    block whose bytes are changed in place must not keep it.
     """
 
     meta: BlockMeta
     data: torch.Tensor
+    checksum: int | None = None
 
     def __post_init__(self) -> None:
         m = self.meta

@@ -305,9 +305,10 @@ class WireFrame:
 
 
 def wire_frame(block: Block) -> WireFrame:
-    """Encode ``block`` (a CPU tensor) as a WireFrame: one copy of its payload and one xxh3."""
+    """Encode ``block`` (a CPU tensor) as a WireFrame: one copy of its payload and one xxh3 (none
+    when the block carries the checksum it was verified with on arrival)."""
     mv = payload_view(block)
-    checksum = xxhash.xxh3_64_intdigest(mv)
+    checksum = block.checksum if block.checksum is not None else xxhash.xxh3_64_intdigest(mv)
     meta = meta_to_msg(block.meta).SerializeToString()
     head = bytes([_T_META]) + _varint(len(meta)) + meta + bytes([_T_DATA]) + _varint(len(mv))
     tail = bytes([_T_LAST, 1]) + (bytes([_T_CHECKSUM]) + _varint(checksum) if checksum else b"")
@@ -529,7 +530,7 @@ class BlockAssembler:
         meta, dest, pos = self._meta, self._dest, self._position
         self._meta = self._dest = self._buf = None
         self.blocks += 1
-        return pos, Block(meta, dest)
+        return pos, Block(meta, dest, chunk.checksum)
 
     def _from_region(self, chunk: ChunkFrame | pb.BlockChunk, has_meta: bool) -> tuple[int, Block]:
         if self._region is None:
@@ -557,4 +558,4 @@ class BlockAssembler:
             raise InvalidRequest("payload checksum mismatch")
         self.blocks += 1
         self.region_bytes += meta.nbytes
-        return position, Block(meta, dest)
+        return position, Block(meta, dest, chunk.checksum if self._verify_region else None)

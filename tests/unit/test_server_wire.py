@@ -307,3 +307,14 @@ def test_a_damaged_frame_is_refused() -> None:
     raw[len(raw) // 2] ^= 1  # a payload byte
     with pytest.raises(InvalidRequest, match="checksum"):
         list(BlockAssembler(empty, ResponseSlots([b.key]).place).feed_message(decode_frame(bytes(raw))))
+
+
+def test_an_assembled_block_carries_the_checksum_it_was_verified_with() -> None:
+    import xxhash
+
+    b = chain_blocks(1)[0]
+    asm = BlockAssembler(empty)
+    done = [x for f in block_chunks(b, BPB // 2, 0) if (x := asm.feed(f)) is not None]
+    [(_, got)] = done
+    assert got.checksum == xxhash.xxh3_64_intdigest(b.as_bytes_view())
+    assert wire_frame(got) == wire_frame(b), "the frame reuses the verified checksum: same bytes as hashing anew"
