@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.kvtier-installed
 # torch is pinned to the CPU build that lies on this machine's disk; a plain `torch` pulls GBs of CUDA wheels.
 TORCH   ?= torch==2.13.0
 
-.PHONY: run test venv lint bench clean engine-venvs
+.PHONY: run test venv lint bench clean engine-venvs peer-venvs
 
 venv: $(STAMP)
 
@@ -34,7 +34,18 @@ ENGINE_VENVS := .venv-vllm/.stamp .venv-sglang/.stamp .venv-vllmcpu/.stamp
 
 engine-venvs: $(ENGINE_VENVS)
 
-test: $(STAMP) $(ENGINE_VENVS)
+# LMCache 0.5.6 (multiprocess server + its CPU client) for `kvtier bench peer --lmcache`, in its own venv:
+# CPU torch first, then the exact package set --no-deps (its full dependency set pulls CUDA builds).
+# `make test` builds it: tests/integration/test_peer_bench.py runs its LMCache half there.
+.venv-lmcache/.stamp: benchmarks/peers/lmcache-requirements.txt
+	test -x .venv-lmcache/bin/python || $(PY) -m venv .venv-lmcache
+	.venv-lmcache/bin/python -m pip install -q $(TORCH)
+	.venv-lmcache/bin/python -m pip install -q --no-deps -r benchmarks/peers/lmcache-requirements.txt
+	touch $@
+
+peer-venvs: .venv-lmcache/.stamp
+
+test: $(STAMP) $(ENGINE_VENVS) .venv-lmcache/.stamp
 	KVTIER_REQUIRE_ENGINES=1 $(VPY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)

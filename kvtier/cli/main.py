@@ -30,6 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "daemon": ("benchmarks.daemon", "load test of the gRPC daemon with byte-for-byte verification"),
     "vllm": ("benchmarks.vllm_bench", "TTFT of vllm serve with kvtier through the daemon vs without it (CPU)"),
     "gpu": ("benchmarks.gpu_bench", "transfer engine d2h/h2d throughput vs raw pinned and pageable torch copies"),
+    "peer": ("benchmarks.peer", "kvtier's daemon side by side with a peer cache server (--lmcache), bytes verified"),
 }
 
 

@@ -1,0 +1,187 @@
+"""`kvtier bench peer --lmcache`: kvtier's daemon side by side with LMCache 0.5.6's MP server.
+
+Workload (both sides, identical bytes and token ids, ``benchmarks/peer_payload.py``): 32 layers x
+8 KV heads x 128, fp16; requests of 2,048 tokens (256 MiB of KV), in chunks/blocks of 256 tokens
+(32 MiB). ``--quick``: 3 rounds of 3 requests of 512 tokens (64 MiB). Cases (``peer_cases.py``):
+
+* store (RAM), warm retrieve (RAM): a server with a 2 GiB RAM tier (LMCache: L1), no disk;
+* disk_store: a 64 MiB RAM tier with the encrypted disk behind it; each request stored once;
+* disk_cold, disk_page_cache: requests put on the encrypted disk by one server are read by a
+  freshly started one, first with the data files dropped from the page cache
+  (``posix_fadvise(DONTNEED)`` on kvtier's ``data.mdb`` and on LMCache's L2 files, checked with
+  ``mincore``), then again by another fresh server with the page cache warm.
+
+Rules: every phase starts fresh servers; in each round both systems run each phase back to back,
+and the system that goes first alternates from round to round; destinations are zeroed before
+every retrieve; a request counts as retrieved when its bytes are in the client's own buffer, and
+every byte is compared with its source, stores included (they are read back). A round in which a
+system lost or damaged a request has no GB/s for that case (``peer_report.py``).
+
+What each side does per byte
+----------------------------
+kvtier (``peer_kvtier.py``; the client is ``GrpcTier``, an engine's view of the daemon). Over the
+gRPC stream, a store hashes each block (xxh3), frames it into chunk messages, and the kernel
+copies it through a loopback socket; the daemon reassembles and verifies the hash, and its RAM
+tier keeps the block as a ready-to-send frame (one more copy). A warm retrieve sends that frame as
+it is (no copy, no hash on the daemon); the client copies it out of the socket into the
+destination tensor and verifies its xxh3. When the client and daemon negotiate the node-local
+shared-memory data plane, the payload moves through a shared mapping instead of the socket
+(gRPC stays the control plane); the harness uses whichever the client picks. Disk: a spill or a
+put into LMDB encodes the record and seals it with AES-256-GCM under the scope's data key (one
+pass that reads the payload and writes ciphertext), writes it in an LMDB transaction and fsyncs
+(``tiers.disk.sync``, on by default; ``--no-fsync`` turns it off to match LMCache); a disk read
+decrypts and authenticates the record (one pass) into the block, promotes it into the RAM tier
+(a frame copy) and streams it as above. Writes to the disk tier are synchronous: the Put returns
+after them. (``storage_backends/lmdb.py`` and ``kvtier/codec.py`` have the details of the day.)
+
+LMCache (``peer_lmcache.py``, ``peer_lmcache_driver.py``; the client is LMCache's own CPU worker
+path, ``lmcache_driven`` transfer). The client's paged KV cache is in POSIX shared memory that the
+server maps, so no KV byte crosses a socket: a store is one server-side copy from the client's
+pages into L1 (token ids are hashed with blake3, no payload hashing), a warm retrieve is one copy
+from L1 into the client's pages. Disk (fs L2 adapter with the aesgcm serde): in the background
+after a store, each chunk is copied out of L1, encrypted with AES-256-GCM (AES-GCM's one pass,
+into a new buffer that is copied into a serde buffer in L1) and written to its own file, without
+fsync; a disk read loads the file into L1, copies it, decrypts (one pass) and copies the plaintext
+into an L1 buffer, then copies it into the client's pages. LMCache has no payload checksum beyond
+the GCM tag on disk. Stores that do not fit in L1 are skipped, and the STORE is still reported as
+successful: the harness finds them when it reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import progress, write_json
+from benchmarks.peer_cases import CASES, CaseRun, Side, Workload
+from benchmarks.peer_report import data_planes, medians, notes, ratios, render
+from kvtier.errors import ConfigError
+
+PHASES = ("ram", "disk_store", "disk_read")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lmcache", action="store_true", help="compare with LMCache 0.5.6 (needs `make peer-venvs`)")
+    p.add_argument("--quick", action="store_true", help="3 rounds of 3 requests of 512 tokens (a few minutes)")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
+    p.add_argument("--only", choices=("kvtier", "lmcache"), help="run one side only (no ratios)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 5, quick 3)")
+    p.add_argument("--requests", type=int, help="requests per case per round (default 4, quick 3)")
+    p.add_argument("--request-tokens", type=int, help="tokens per request (default 2048, quick 512)")
+    p.add_argument("--layers", type=int, default=32, help="model layers (default 32)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per block / LMCache chunk (default 256)")
+    p.add_argument("--memory-mib", type=float, default=2048, help="RAM tier / LMCache L1 (default 2048)")
+    p.add_argument("--small-memory-mib", type=float, default=64,
+                   help="RAM tier in front of the disk in the disk_store case (default 64)")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="kvtier's disk tier without fsync (tiers.disk.sync=false), as LMCache's fs L2 writes")
+    p.add_argument("--workdir", metavar="DIR", help="where servers keep their disk tiers (default: a temp dir)")
+    p.add_argument("--lmcache-python", metavar="PATH", help="python of the LMCache venv (default .venv-lmcache)")
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    quick = args.quick
+    mib = 1 << 20
+    try:
+        return Workload(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        chunk_tokens=args.chunk_tokens,
+                        request_tokens=args.request_tokens or (512 if quick else 2048),
+                        requests=args.requests or (3 if quick else 4), rounds=args.rounds or (3 if quick else 5),
+                        memory_bytes=int(args.memory_mib * mib), small_memory_bytes=int(args.small_memory_mib * mib),
+                        page_tokens=min(16, args.chunk_tokens))
+    except ValueError as exc:
+        raise ConfigError(f"kvtier bench peer: {exc}") from None
+
+
+def sides(args: argparse.Namespace, w: Workload, workdir: Path) -> list[Side]:
+    if not args.lmcache and args.only != "kvtier":
+        raise ConfigError("kvtier bench peer: name the peer to compare with (--lmcache)")
+    out: list[Side] = []
+    if args.only != "lmcache":
+        from benchmarks.peer_kvtier import KvtierSide
+
+        out.append(KvtierSide(w, workdir, disk_sync=not args.no_fsync))
+    if args.only != "kvtier":
+        from benchmarks.peer_lmcache import VENV_PYTHON, LmcacheSide
+
+        python = Path(args.lmcache_python) if args.lmcache_python else VENV_PYTHON
+        out.append(LmcacheSide(w, workdir, python=python))
+    return out
+
+
+def measure(systems: list[Side], w: Workload) -> list[dict[str, Any]]:
+    """Every round: each phase by every system, back to back; who goes first alternates."""
+    rounds = []
+    for i in range(w.rounds):
+        order = systems if i % 2 == 0 else systems[::-1]
+        rec: dict[str, Any] = {"round": i, "order": [s.name for s in order]}
+        for phase_no, phase in enumerate(PHASES):
+            seed = 1 + 10 * i + phase_no  # both systems store the same bytes under the same tokens
+            for side in order:
+                progress(f"round {i + 1}/{w.rounds}: {side.name} {phase}")
+                t0 = time.monotonic()
+                runs: dict[str, CaseRun] = getattr(side, phase)(seed)
+                rec.setdefault(side.name, {}).update({k: v.as_dict() for k, v in runs.items()})
+                progress(f"  {side.name} {phase}: " + ", ".join(
+                    f"{k} {'-' if v.gbps is None else f'{v.gbps:.3f}'} GB/s" for k, v in runs.items())
+                    + f" ({time.monotonic() - t0:.0f}s)")
+        rounds.append(rec)
+    return rounds
+
+
+def run(args: argparse.Namespace) -> int:
+    w = workload(args)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-peer-", dir=args.workdir) as tmp, ExitStack() as stack:
+        systems = sides(args, w, Path(tmp))
+        for side in systems:
+            stack.callback(side.close)
+        progress(f"{' vs '.join(s.name for s in systems)}: {w.rounds} rounds x {w.requests} requests of "
+                 f"{w.request_tokens} tokens ({w.request_bytes / (1 << 20):.0f} MiB each)")
+        config = {"workload": w.as_dict(), **{s.name: s.describe() for s in systems},
+                  "order": "each phase back to back per round; who goes first alternates",
+                  "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}}
+        rounds = measure(systems, w)
+    names = [s.name for s in systems]
+    peer = "lmcache"
+    per_system = {name: medians(rounds, name) for name in names}
+    result: dict[str, Any] = {
+        "benchmark": "peer", "peer": peer, "command": _command(args),
+        "ratios": (ratios(per_system["kvtier"], per_system[peer]) if len(names) == 2
+                   else dict.fromkeys(CASES)),
+        "medians": per_system, "data_planes": {name: data_planes(rounds, name) for name in names},
+        "rounds": rounds, "config": config, "time": time.time(),
+    }
+    print(f"kvtier vs {peer}: {w.rounds} rounds x {w.requests} requests of {w.request_tokens} tokens "
+          f"({w.request_bytes / (1 << 20):.0f} MiB), every byte verified; median GB/s (median ms per request)")
+    print(render(result))
+    for name, planes in result["data_planes"].items():
+        print(f"  {name} data plane: {'; '.join(planes) or 'unknown'}")
+    for line in notes(result):
+        print(f"  note: {line}")
+    write_json(args.json, result)
+    kvtier_lost = any(m["rounds_failed"] for m in per_system.get("kvtier", {}).values())
+    return 1 if kvtier_lost else 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["kvtier bench peer"]
+    if args.lmcache:
+        parts.append("--lmcache")
+    if args.quick:
+        parts.append("--quick")
+    if args.only:
+        parts.append(f"--only {args.only}")
+    if args.no_fsync:
+        parts.append("--no-fsync")
+    for flag in ("rounds", "requests", "request_tokens"):
+        v = getattr(args, flag)
+        if v:
+            parts.append(f"--{flag.replace('_', '-')} {v}")
+    return " ".join(parts)
