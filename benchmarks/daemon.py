@@ -60,6 +60,8 @@ class Plan:
     address: str = ""
     raw_address: str = ""
     token: str = ""
+    #: The clients' payload path (GrpcTierConfig.data_plane).
+    data_plane: str = "tcp"
 
     def layout(self) -> Any:
         from kvtier.layout import KVLayout
@@ -82,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-kib", type=int, default=1024, help="payload bytes per streamed message (KiB)")
     p.add_argument("--throughput-seconds", type=float, help="length of each get-throughput round")
     p.add_argument("--mix", default="lookup=0.4,get=0.4,put=0.2", help="operation mix (weights)")
+    p.add_argument("--data-plane", choices=("tcp", "shm", "auto"), default="tcp",
+                   help="the clients' payload path (default tcp: the baseline is a raw gRPC byte stream, so "
+                        "the daemon is measured inline too; shm measures the shared-memory data plane against it)")
 
 
 def _mix(text: str) -> tuple[tuple[str, float], ...]:
@@ -158,7 +163,8 @@ def _tier(plan: Plan) -> Any:
     from storage_backends.grpc import GrpcTier, GrpcTierConfig
 
     return GrpcTier(GrpcTierConfig(plan.address, plan.token, chunk_bytes=plan.chunk_bytes,
-                                   max_message_bytes=max(64 << 20, 2 * plan.chunk_bytes), timeout_s=60))
+                                   max_message_bytes=max(64 << 20, 2 * plan.chunk_bytes), timeout_s=60,
+                                   data_plane=plan.data_plane))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -380,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     block_tokens = 4 if quick else args.block_tokens
     plan = Plan(num_layers=16, num_kv_heads=8, head_dim=64, block_tokens=block_tokens, chain_blocks=8,
                 shared_chains=4 if quick else 16, own_chains=2, chunk_bytes=args.chunk_kib << 10,
-                mix=_mix(args.mix), server_secret=os.urandom(32).hex().encode())
+                mix=_mix(args.mix), server_secret=os.urandom(32).hex().encode(), data_plane=args.data_plane)
     workers = args.workers or max(2, min(8, -(-clients // THREADS_PER_WORKER)))
     tput_s = args.throughput_seconds or (1.0 if quick else max(3.0, min(10.0, seconds / 6)))
     data_bytes = (plan.shared_chains + clients * plan.own_chains) * plan.chain_blocks * plan.block_bytes
@@ -463,6 +469,7 @@ def _measure(plan: Plan, clients: int, seconds: float, workers: int, tput_s: flo
         "block_bytes": plan.block_bytes,
         "chain_blocks": plan.chain_blocks,
         "chunk_bytes": plan.chunk_bytes,
+        "data_plane": plan.data_plane,
         "mix": dict(plan.mix),
         "populated_blocks": stored,
         "ops": rows,
