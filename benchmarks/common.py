@@ -34,17 +34,22 @@ def paired_seconds(
     reps: int,
     setup: Callable[[], object] | None = None,
 ) -> tuple[float, float]:
-    """Medians of ``ours`` and ``base`` timed alternately, so drift on a shared machine hits both."""
-    a, b = [], []
-    for _ in range(reps):
+    """Medians of ``ours`` and ``base`` timed alternately, so drift on a shared machine hits both.
+
+    The order alternates too: ours first on even repetitions, the baseline first on odd ones.
+    Whichever runs first meets the state ``setup`` just left (an emptied tier, cold caches) and
+    runs right after the previous pair's second call; a fixed order would hand that to one side
+    every time. ``setup`` runs untimed before each pair.
+    """
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(reps):
         if setup is not None:
             setup()
-        t0 = time.perf_counter()
-        ours()
-        a.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        base()
-        b.append(time.perf_counter() - t0)
+        for fn, acc in ((ours, a), (base, b)) if i % 2 == 0 else ((base, b), (ours, a)):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
     return statistics.median(a), statistics.median(b)
 
 
