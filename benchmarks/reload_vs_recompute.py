@@ -4,14 +4,18 @@ For each case (model size x prefix length x tier setup) the benchmark
 
 1. asks the cost model for a plan of the store's lookup (``CostModel.plan``) *before* measuring
    anything of that case;
-2. executes every plan the cost model considered, for real: blocks come from the tier through
-   the store, KV is computed by a random-weight Llama in transformers (kvtier.prefill), and the
-   pipelined plan really loads the back on a thread while the front is computed;
+2. executes every plan the cost model considered, for real and the same number of times each
+   (in rotating order): blocks come from the tier through the store, KV is computed by a
+   random-weight Llama in transformers (kvtier.prefill), and the pipelined plan really loads the
+   back on a thread while the front is computed;
 3. checks that every plan produced the same next-token logits as computing everything;
-4. records measured and predicted times, what the model chose, the best measured plan and the
-   regret ``measured(chosen) / measured(best) - 1``, then lets the model learn from the runs.
+4. records measured (minimum of the runs) and predicted times, what the model chose, the best
+   measured plan and the regret ``measured(chosen) / measured(best) - 1``, then lets the model
+   learn from the runs.
 
-The baseline of every ratio (the best plan) is measured in the same run on the same machine.
+The whole sweep runs twice (``--sweeps``), independently, and the report gives each case's
+regret in both with their spread: a regret is only worth the noise of measuring it. The baseline
+of every ratio (the best plan) is measured in the same run on the same machine.
 """
 
 from __future__ import annotations
@@ -74,8 +78,10 @@ class SweepConfig:
     link_bandwidth_Bps: float = 25e6
     link_latency_s: float = 0.002
     seed: int = 0
-    #: Seconds of measurement each plan may take per case (see _repeats).
+    #: Seconds of measurement each plan may take per case, on average (see runs_per_plan).
     repeat_budget_s: float = 1.5
+    #: Independent sweeps of the same cases: regret is reported with its run-to-run spread.
+    sweeps: int = 2
 
 
 FULL = SweepConfig(
@@ -440,15 +446,23 @@ class ModelBench:
         self.keys = [b.key for b in self.blocks]
 
 
-def _repeats(predicted_ms: float, budget_s: float) -> int:
-    """Runs of one plan in one case: as many as fit ``budget_s`` (2..9; the minimum is reported, and
-    on a shared host short runs need many tries to see one undisturbed); one for very long plans,
-    whose gap to the alternatives dwarfs the noise."""
-    seconds = max(predicted_ms / 1e3, 1e-3)
-    return max(1 if seconds > LONG_PLAN_S else 2, min(9, int(budget_s / seconds)))
+def runs_per_plan(predicted_ms: Sequence[float], budget_s: float) -> int:
+    """How many times *every* plan of one case runs: the same count for all of them.
+
+    Counts that differed by plan (more runs for plans predicted fast) gave the plan the model
+    chose, usually the fastest, the most chances at an undisturbed minimum and biased regret
+    towards 0. The count is what fits ``budget_s`` per plan on average (2..9; the minimum of each
+    plan's runs is its time), and 1 when one round of all plans is predicted to take longer than
+    ``LONG_ROUND_S``: those cases are dominated by a recompute whose gap to the other plans dwarfs
+    the noise.
+    """
+    round_s = max(sum(predicted_ms) / 1e3, 1e-3)
+    if round_s > LONG_ROUND_S:
+        return 1
+    return max(2, min(9, int(budget_s * len(predicted_ms) / round_s)))
 
 
-LONG_PLAN_S = 5.0
+LONG_ROUND_S = 10.0
 
 
 def run_case(mb: ModelBench, setup: TierSetup, store: TieredStore, cm: CostModel, n: int,
@@ -465,16 +479,14 @@ def run_case(mb: ModelBench, setup: TierSetup, store: TieredStore, cm: CostModel
     if plan.cached_blocks != blocks_n:
         raise TierUnavailable(f"{setup.name}: lookup found {plan.cached_blocks} of {blocks_n} blocks")
     executor = PlanExecutor(store, mb.runner, cm)
-    reps = {o.name: _repeats(o.predicted_ms, config.repeat_budget_s) for o in plan.options}
+    runs = runs_per_plan([o.predicted_ms for o in plan.options], config.repeat_budget_s)
     times: dict[str, list[float]] = {o.name: [] for o in plan.options}
     reference: torch.Tensor | None = None
     worst = 0.0
     order = list(plan.options)
-    for r in range(max(reps.values())):
+    for r in range(runs):
         # Rotate the order each round so slow drift on a shared machine does not favour one plan.
         for opt in order[r % len(order) :] + order[: r % len(order)]:
-            if len(times[opt.name]) >= reps[opt.name]:
-                continue
             ex = executor.run(opt, keys, prefix, new)
             times[opt.name].append(ex.ttft_s)
             if reference is None:
@@ -579,7 +591,6 @@ def _report(config: SweepConfig, cases: list[CaseResult], skipped: dict[str, str
         for c in cases if c.best in ("split", "pipelined")
     ]
     return {
-        "benchmark": "reload-vs-recompute",
         "cases": [asdict(c) for c in cases],
         "summary": {
             "median_regret": statistics.median(regrets) if regrets else math.nan,
@@ -592,27 +603,130 @@ def _report(config: SweepConfig, cases: list[CaseResult], skipped: dict[str, str
             "seconds": round(seconds, 1),
         },
         "skipped_setups": skipped,
-        "config": {**asdict(config), "prefixes": {k: list(v) for k, v in config.prefixes.items()}},
         "calibration": {"decrypt_GBps": decrypt / 1e9,
                         "tiers": {k: p.describe() for k, p in profiles.items()},
                         "engines": engines},
+    }
+
+
+# -- repeated sweeps and their noise ----------------------------------------------------------------
+def repeated_sweeps(config: SweepConfig, workdir: Path, *, want_s3: bool) -> dict[str, Any]:
+    """``config.sweeps`` independent sweeps of the same cases, each with its own servers, tiers,
+    models, probes and cost model (own subdirectory), so their differences are the noise of the
+    whole measurement, the cost model's start-up calibration included."""
+    t0 = time.perf_counter()
+    runs = []
+    for i in range(config.sweeps):
+        progress(f"sweep {i + 1} of {config.sweeps}")
+        sub = workdir / f"sweep-{i + 1}"
+        sub.mkdir(parents=True, exist_ok=True)
+        runs.append(sweep(config, sub, want_s3=want_s3))
+    return {
+        "benchmark": "reload-vs-recompute",
+        "sweeps": runs,
+        "summary": _pooled_summary(runs, time.perf_counter() - t0),
+        "noise": noise_report(runs),
+        "config": {**asdict(config), "prefixes": {k: list(v) for k, v in config.prefixes.items()}},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+    }
+
+
+def _spread(values: Sequence[float]) -> float:
+    """max - min: the disagreement of repeated measurements of one quantity."""
+    return max(values) - min(values)
+
+
+def _pooled_summary(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    per = [r["summary"] for r in runs]
+    regrets = [c["regret"] for r in runs for c in r["cases"]]
+    return {
+        "sweeps": len(runs),
+        "cases_per_sweep": per[0]["cases"] if per else 0,
+        "median_regret_per_sweep": [s["median_regret"] for s in per],
+        "max_regret_per_sweep": [s["max_regret"] for s in per],
+        "chosen_is_best_per_sweep": [s["chosen_is_best"] for s in per],
+        "seconds_per_sweep": [s["seconds"] for s in per],
+        # Over every case of every sweep: each case counts once per sweep.
+        "median_regret": statistics.median(regrets) if regrets else math.nan,
+        "max_regret": max(regrets) if regrets else math.nan,
+        "seconds": round(seconds, 1),
+    }
+
+
+def noise_report(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same case across sweeps: its regret in each, their spread (max - min), whether the
+    choice and the measured best agreed, and each plan's relative time spread (max / min - 1).
+    Overall: median and max of those spreads, and the spread of the per-sweep summary figures.
+    Empty with fewer than two sweeps (nothing to compare)."""
+    if len(runs) < 2:
+        return {"cases": [], "summary": {}}
+    by_case: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        for c in r["cases"]:
+            by_case.setdefault((c["model"], c["prefix_tokens"], c["tier"]), []).append(c)
+    cases = []
+    for (model, n, tier), seen in by_case.items():
+        if len(seen) != len(runs):
+            raise KvtierError(f"case {model}/{tier}/{n} ran in {len(seen)} of {len(runs)} sweeps")
+        regrets = [c["regret"] for c in seen]
+        time_spread = {p: max(c["measured_ms"][p] for c in seen) / min(c["measured_ms"][p] for c in seen) - 1.0
+                       for p in seen[0]["measured_ms"]}
+        cases.append({
+            "model": model, "prefix_tokens": n, "tier": tier,
+            "regret": regrets, "regret_spread": _spread(regrets),
+            "chosen": [c["chosen"] for c in seen], "best": [c["best"] for c in seen],
+            "same_choice": len({c["chosen"] for c in seen}) == 1, "same_best": len({c["best"] for c in seen}) == 1,
+            "time_spread": time_spread, "max_time_spread": max(time_spread.values()),
+        })  # fmt: skip
+    spreads = [c["regret_spread"] for c in cases]
+    times = [v for c in cases for v in c["time_spread"].values()]
+    per = [r["summary"] for r in runs]
+    return {
+        "cases": cases,
+        "summary": {
+            "median_regret_spread": statistics.median(spreads),
+            "max_regret_spread": max(spreads),
+            "median_time_spread": statistics.median(times),
+            "max_time_spread": max(times),
+            "same_choice": sum(c["same_choice"] for c in cases),
+            "same_best": sum(c["same_best"] for c in cases),
+            "cases": len(cases),
+            "median_regret_spread_across_sweeps": _spread([s["median_regret"] for s in per]),
+            "max_regret_spread_across_sweeps": _spread([s["max_regret"] for s in per]),
+        },
     }
 
 
 # -- output -----------------------------------------------------------------------------------------
 def print_table(result: dict[str, Any]) -> None:
+    """Every sweep's measurements, then the same cases side by side across sweeps (the noise)."""
+    runs = result["sweeps"]
+    for i, r in enumerate(runs):
+        print(f"\n== sweep {i + 1} of {len(runs)}")
+        _print_sweep(r)
+    noise = result["noise"]
+    if noise["cases"]:
+        _print_noise(noise)
+    s = result["summary"]
+    print("\nover all sweeps: median regret "
+          + " / ".join(f"{x:.4f}" for x in s["median_regret_per_sweep"])
+          + "  max regret " + " / ".join(f"{x:.4f}" for x in s["max_regret_per_sweep"])
+          + f"  (pooled: median {s['median_regret']:.4f}, max {s['max_regret']:.4f}; {s['seconds']:.0f} s)")
+
+
+def _print_sweep(result: dict[str, Any]) -> None:
     rows = []
     for c in result["cases"]:
         m = c["measured_ms"]
         rows.append({"model": c["model"], "prefix": c["prefix_tokens"], "tier": c["tier"],
                      "reload": m.get("full-reload"), "recompute": m.get("full-recompute"), "split": m.get("split"),
-                     "pipelined": m.get("pipelined"), "chosen": c["chosen"], "best": c["best"],
-                     "regret": c["regret"]})
+                     "pipelined": m.get("pipelined"), "runs": max(c["runs"].values()), "chosen": c["chosen"],
+                     "best": c["best"], "regret": c["regret"]})
     print(table(rows, [("model", "model", ""), ("prefix", "prefix", "d"), ("tier", "tier", ""),
                        ("reload", "reload ms", ".1f"), ("recompute", "recompute ms", ".1f"),
                        ("split", "split ms", ".1f"), ("pipelined", "pipelined ms", ".1f"),
-                       ("chosen", "chosen", ""), ("best", "best", ""), ("regret", "regret", ".3f")]))
+                       ("runs", "runs/plan", "d"), ("chosen", "chosen", ""), ("best", "best", ""),
+                       ("regret", "regret", ".3f")]))
     s = result["summary"]
     print(f"\ncases {s['cases']}  median regret {s['median_regret']:.4f}  max regret {s['max_regret']:.4f}  "
           f"chosen = best in {s['chosen_is_best']}  ({s['seconds']:.0f} s)")
@@ -623,6 +737,23 @@ def print_table(result: dict[str, Any]) -> None:
                   f"{100 * w['gain_vs_best_pure']:.1f}% faster than the better pure plan")
     if result["skipped_setups"]:
         print("skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped_setups"].items()))
+
+
+def _print_noise(noise: dict[str, Any]) -> None:
+    print("\n== noise: the same case across sweeps (spread = max - min; time spread = slowest / fastest - 1)")
+    rows = [{"model": c["model"], "prefix": c["prefix_tokens"], "tier": c["tier"],
+             "regrets": " / ".join(f"{r:.3f}" for r in c["regret"]), "spread": c["regret_spread"],
+             "chosen": " / ".join(c["chosen"]), "best": " / ".join(c["best"]),
+             "time": 100 * c["max_time_spread"]} for c in noise["cases"]]
+    print(table(rows, [("model", "model", ""), ("prefix", "prefix", "d"), ("tier", "tier", ""),
+                       ("regrets", "regret per sweep", ""), ("spread", "regret spread", ".3f"),
+                       ("chosen", "chosen", ""), ("best", "best", ""), ("time", "max plan time spread %", ".1f")]))
+    s = noise["summary"]
+    print(f"\nregret spread: median {s['median_regret_spread']:.4f}, max {s['max_regret_spread']:.4f}; "
+          f"plan time spread: median {100 * s['median_time_spread']:.1f} %, max {100 * s['max_time_spread']:.1f} %; "
+          f"same choice in {s['same_choice']} / {s['cases']}, same best in {s['same_best']} / {s['cases']}; "
+          f"spread of the summary figures across sweeps: median regret {s['median_regret_spread_across_sweeps']:.4f}, "
+          f"max regret {s['max_regret_spread_across_sweeps']:.4f}")
 
 
 def crossover(xs: Sequence[float], a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -642,7 +773,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = result["cases"]
+    # The curves are the first sweep's measurements; the title carries every sweep's regret.
+    cases = result["sweeps"][0]["cases"]
     models = list(dict.fromkeys(c["model"] for c in cases))
     tiers = list(dict.fromkeys(c["tier"] for c in cases))
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
@@ -679,8 +811,10 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.grid(True, which="both", alpha=0.25)
     axes[0][0].legend(fontsize=7, loc="upper left")
     s = result["summary"]
-    fig.suptitle(f"reload vs recompute (X: crossover, *: split/pipelined best) - median regret "
-                 f"{s['median_regret']:.3f}, max {s['max_regret']:.3f} over {s['cases']} cases", fontsize=10)
+    per_sweep = ", ".join(f"{m:.3f} / {x:.3f}" for m, x in zip(s["median_regret_per_sweep"],
+                                                               s["max_regret_per_sweep"], strict=True))
+    fig.suptitle(f"reload vs recompute, sweep 1 of {s['sweeps']} (X: crossover, *: split/pipelined best) - "
+                 f"median / max regret per sweep: {per_sweep} over {s['cases_per_sweep']} cases", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -700,12 +834,14 @@ def _interp_log(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="draw reload vs recompute per tier (crossovers marked) to PNG")
-    p.add_argument("--quick", action="store_true", help="two small models, three prefix lengths (< 3 minutes)")
+    p.add_argument("--quick", action="store_true", help="two small models, three prefix lengths, five tier setups")
     p.add_argument("--models", help="comma-separated model sizes (default: the sweep's)")
     p.add_argument("--tiers", help=f"comma-separated tier setups, from: {', '.join(TIER_SETUPS)}")
     p.add_argument("--prefixes", help="comma-separated prefix lengths in tokens, for every model")
     p.add_argument("--link-mbps", type=float, help="emulated link bandwidth in MB/s (default 25)")
     p.add_argument("--link-latency-ms", type=float, help="emulated link round trip in ms (default 2)")
+    p.add_argument("--sweeps", type=int, help="independent sweeps of the same cases, to report regret with its "
+                                              "run-to-run spread (default 2)")
     p.add_argument("--no-s3", action="store_true", help="do not start SeaweedFS (S3 setups are skipped)")
     p.add_argument("--workdir", metavar="DIR", help="directory for LMDB/SeaweedFS data (default: a temp dir)")
     p.add_argument("--threads", type=int, default=1,
@@ -730,7 +866,10 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
             raise ConfigError(f"--prefixes: expected comma-separated integers, got {args.prefixes!r}") from None
         changes["prefixes"] = {m: lens for m in models}
     else:
-        changes["prefixes"] = {m: base.prefixes.get(m, FULL.prefixes[m]) for m in models}
+        unswept = [m for m in models if m not in base.prefixes and m not in FULL.prefixes]
+        if unswept:
+            raise ConfigError(f"--models: {unswept} have no default prefix lengths; pass --prefixes")
+        changes["prefixes"] = {m: base.prefixes.get(m, FULL.prefixes.get(m, ())) for m in models}
     for m, lens in changes["prefixes"].items():
         bt = model_spec(m).block_tokens
         if not lens or any(n < 2 * bt or n % bt for n in lens):
@@ -743,6 +882,10 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         if unknown or not setups:
             raise ConfigError(f"--tiers: unknown {unknown}; choose from {list(TIER_SETUPS)}")
         changes["setups"] = setups
+    if args.sweeps is not None:
+        if args.sweeps < 1:
+            raise ConfigError("--sweeps must be >= 1")
+        changes["sweeps"] = args.sweeps
     if args.link_mbps is not None:
         if not args.link_mbps > 0:
             raise ConfigError("--link-mbps must be positive")
@@ -764,7 +907,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         with _workdir(args.workdir) as wd:
-            result = sweep(config, wd, want_s3=not args.no_s3)
+            result = repeated_sweeps(config, wd, want_s3=not args.no_s3)
     finally:
         torch.set_num_threads(threads)
     print_table(result)

@@ -67,28 +67,61 @@ def test_every_plan_executes_to_the_same_logits(engine: PrefillRunner, tmp_path)
 def _args(**kw) -> argparse.Namespace:
     base = {"json": None, "plot": None, "quick": False, "models": "tiny", "tiers": "memory,lmdb",
             "prefixes": "32,64", "link_mbps": None, "link_latency_ms": None, "no_s3": True, "workdir": None,
-            "threads": 1}
+            "threads": 1, "sweeps": None}
     return argparse.Namespace(**(base | kw))
 
 
 def test_sweep_writes_the_promised_json_and_plot(tmp_path, capsys) -> None:
+    """Two independent sweeps by default; each case's plans ran equally often; the noise section
+    pairs every case across the sweeps."""
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     assert rvr.run(_args(json=str(out), plot=str(png), workdir=str(tmp_path / "wd"))) == 0
     res = json.loads(out.read_text())
-    assert res["summary"]["cases"] == 4 == len(res["cases"])
-    for c in res["cases"]:
-        assert {"model", "prefix_tokens", "new_tokens", "tier", "encrypted", "measured_ms", "predicted_ms", "chosen",
-                "best", "regret"} <= set(c)
-        assert set(c["measured_ms"]) == set(c["predicted_ms"]) == set(rvr.PLANS)
-        assert c["best"] == min(c["measured_ms"], key=c["measured_ms"].get)
-        assert c["regret"] == pytest.approx(c["measured_ms"][c["chosen"]] / c["measured_ms"][c["best"]] - 1)
-        assert c["max_logit_diff"] <= rvr.LOGIT_TOLERANCE
-    regrets = sorted(c["regret"] for c in res["cases"])
-    assert res["summary"]["max_regret"] == regrets[-1]
-    assert res["summary"]["median_regret"] == pytest.approx((regrets[1] + regrets[2]) / 2)
+    assert len(res["sweeps"]) == 2 == res["summary"]["sweeps"] == res["config"]["sweeps"]
+    for sw in res["sweeps"]:
+        assert sw["summary"]["cases"] == 4 == len(sw["cases"])
+        for c in sw["cases"]:
+            assert {"model", "prefix_tokens", "new_tokens", "tier", "encrypted", "measured_ms", "predicted_ms",
+                    "chosen", "best", "regret", "runs"} <= set(c)
+            assert set(c["measured_ms"]) == set(c["predicted_ms"]) == set(c["runs"]) == set(rvr.PLANS)
+            assert len(set(c["runs"].values())) == 1  # every plan of a case ran the same number of times
+            assert c["best"] == min(c["measured_ms"], key=c["measured_ms"].get)
+            assert c["regret"] == pytest.approx(c["measured_ms"][c["chosen"]] / c["measured_ms"][c["best"]] - 1)
+            assert c["max_logit_diff"] <= rvr.LOGIT_TOLERANCE
+        regrets = sorted(c["regret"] for c in sw["cases"])
+        assert sw["summary"]["max_regret"] == regrets[-1]
+        assert sw["summary"]["median_regret"] == pytest.approx((regrets[1] + regrets[2]) / 2)
+    noise = res["noise"]
+    assert len(noise["cases"]) == 4 == noise["summary"]["cases"]
+    for n in noise["cases"]:
+        same = [c for sw in res["sweeps"] for c in sw["cases"]
+                if (c["model"], c["prefix_tokens"], c["tier"]) == (n["model"], n["prefix_tokens"], n["tier"])]
+        assert n["regret"] == [c["regret"] for c in same]
+        assert n["regret_spread"] == pytest.approx(max(n["regret"]) - min(n["regret"]))
+        assert n["chosen"] == [c["chosen"] for c in same] and set(n["time_spread"]) == set(rvr.PLANS)
+    assert noise["summary"]["max_regret_spread"] == max(n["regret_spread"] for n in noise["cases"])
+    per_sweep_max = res["summary"]["max_regret_per_sweep"]
+    assert per_sweep_max == [sw["summary"]["max_regret"] for sw in res["sweeps"]]
+    assert noise["summary"]["max_regret_spread_across_sweeps"] == pytest.approx(max(per_sweep_max) - min(per_sweep_max))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
-    assert "median regret" in table and "lmdb" in table
+    assert "median regret" in table and "lmdb" in table and "regret spread" in table and "sweep 2 of 2" in table
+
+
+def test_every_plan_of_a_case_gets_the_same_number_of_runs() -> None:
+    """The count is one per case, from the whole round's prediction: a plan predicted fast gets no
+    more runs than a slow one (that biased regret towards 0)."""
+    assert rvr.runs_per_plan([1.0, 400.0, 200.0, 150.0], budget_s=1.5) == int(1.5 * 4 / 0.751)
+    assert rvr.runs_per_plan([0.1, 0.2, 0.1, 0.1], budget_s=1.5) == 9
+    assert rvr.runs_per_plan([50.0, 2000.0, 1500.0, 1200.0], budget_s=1.5) == 2
+    assert rvr.runs_per_plan([50.0, 9000.0, 6000.0, 5000.0], budget_s=1.5) == 1
+
+
+def test_one_sweep_reports_no_noise(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    assert rvr.run(_args(json=str(out), sweeps=1, prefixes="32", tiers="memory")) == 0
+    res = json.loads(out.read_text())
+    assert len(res["sweeps"]) == 1 and res["noise"] == {"cases": [], "summary": {}}
 
 
 def test_crossover_is_where_reload_gets_cheaper() -> None:
@@ -112,6 +145,7 @@ def test_crossover_is_where_reload_gets_cheaper() -> None:
         ({"link_latency_ms": -1.0}, "link-latency-ms"),
         ({"plot": "x.jpg"}, r"\.png"),
         ({"threads": 0}, "threads"),
+        ({"sweeps": 0}, "sweeps"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kw: dict, match: str) -> None:
