@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.e2e import ScenarioConfig, run_scenario
+from benchmarks.e2e import FirstTokenClock, ScenarioConfig, run_scenario
 from kvtier.cache.kv_cache import KVCache
 from kvtier.cli.main import main
 from kvtier.engine.models import model_spec
+from kvtier.engine.prefill import PrefillRunner
 from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver
 from kvtier.security.policy import Policy
@@ -41,7 +42,46 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
     total = sum(r["prompt_tokens"] for r in data["requests"])
     assert data["token_hit_rate"] == pytest.approx(data["tokens_reused"] / total)
     assert data["tiers"]["memory"]["puts"] > 0
-    assert "TTFT cold" in capsys.readouterr().out
+    assert data["model"] == {"name": "tiny", "layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2,
+                             "dtype": "bfloat16", "toy": True}
+    out_text = capsys.readouterr().out
+    assert "TTFT (to the first token) cold" in out_text and "a toy model" in out_text
+
+
+def _connector_ttft_ms(row: dict) -> float:
+    """The connector's own clock: arrival until its prefill returned (after the block extraction)."""
+    p = row["phases_ms"]
+    return p["lookup"] + p["plan"] + p["load_phase"] + p["compute"]
+
+
+def test_ttft_stops_at_the_first_token_not_after_the_block_extraction(tmp_path: Path) -> None:
+    """A cold request extracts every block of the document for saving after its first token: that
+    time is reported as extract_ms and is not part of ttft_ms."""
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", *SMALL_ARGS, "--dtype", "float32", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["model"]["dtype"] == "float32" and data["identical_outputs"] is True
+    for r in data["requests"]:
+        assert r["extract_ms"] > 0 and r["ttft_ms"] > 0
+        assert r["ttft_ms"] == pytest.approx(_connector_ttft_ms(r) - r["extract_ms"], rel=1e-9, abs=1e-9)
+    cold = [r for r in data["requests"] if r["phase"] == "cold"]
+    assert data["ttft_cold_ms"] == pytest.approx(cold[0]["ttft_ms"])
+    assert data["extract_cold_ms"] == pytest.approx(cold[0]["extract_ms"])
+    assert "block extraction" in data["ttft_clock"]
+
+
+def test_first_token_clock_records_each_prefill_of_the_real_runner() -> None:
+    spec = model_spec("tiny").with_dtype("float32")
+    runner = PrefillRunner(spec.build(0), spec.layout())
+    clock = FirstTokenClock(runner)
+    assert clock.model is runner.model
+    with pytest.raises(RuntimeError):
+        clock.last_extract_s()
+    res = clock.prefill(list(range(2 * spec.block_tokens + 3)))
+    assert len(res.new_blocks) == 2 and clock.timings == [res.timing]
+    assert clock.last_extract_s() == res.timing.extract_s
+    clock.prefill(list(range(5)), extract=False)
+    assert len(clock.timings) == 2
 
 
 def test_scenario_through_lmdb_without_cost_model(tmp_path: Path) -> None:
@@ -71,6 +111,8 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         ScenarioConfig(tenants=1).validate()
     with pytest.raises(ConfigError):
         ScenarioConfig(repeats=0).validate()
+    with pytest.raises(ConfigError, match="dtype"):
+        ScenarioConfig(dtype="int8").validate()
 
 
 def test_scenario_through_a_daemon_process(tmp_path: Path) -> None:

@@ -11,10 +11,15 @@ from kvtier.engine.models import MODEL_SIZES, ModelSpec, model_spec, weights_dig
 from kvtier.errors import ConfigError
 
 
-def test_registry_has_the_swept_sizes_in_increasing_cost() -> None:
-    assert list(MODEL_SIZES) == ["tiny", "small", "medium"]
+def test_registry_has_the_sizes_in_increasing_cost() -> None:
+    assert list(MODEL_SIZES) == ["tiny", "small", "medium", "large"]
     per_token = [s.layout().bytes_per_token for s in MODEL_SIZES.values()]
-    assert per_token == sorted(per_token) and len(set(per_token)) == 3
+    assert per_token == sorted(per_token) and len(set(per_token)) == 4
+
+
+def test_large_is_at_least_12_layers_by_768_hidden() -> None:
+    spec = model_spec("large")
+    assert spec.num_layers >= 12 and spec.hidden_size >= 768
 
 
 @pytest.mark.parametrize("name", list(MODEL_SIZES))
