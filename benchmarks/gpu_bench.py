@@ -1,11 +1,20 @@
-"""Transfer-engine throughput against raw torch copies of the same bytes, in one run.
+"""Transfer-engine and GPU-tier throughput against raw torch copies of the same bytes, in one run.
 
-For each batch size, device->host and host->device: the transfer engine (scattered pages
-gathered/scattered through pinned staging) vs a raw ``copy_(non_blocking=True)`` between a
-contiguous device tensor and pinned host memory, vs the same copy from/to pageable memory. Every
-timing waits for its own completion (the engine's event, the raw copy's stream); medians over
-alternating repetitions. Before measuring, a byte-exact self-check exercises every GPU-path
-component, so the script doubles as the GPU test runner where pytest is not installed.
+Two figures, kept apart because they measure different things:
+
+- **engine** (``TransferEngine`` alone): for each batch size, device->host and host->device
+  transfers of scattered pages through the engine's staging, against a raw
+  ``copy_(non_blocking=True)`` between a contiguous device tensor and pinned host memory and the
+  same copy from pageable memory. The staging is never filled (h2d) or read (d2h) by the host:
+  this is the copy engine's speed, an upper bound for anything built on it, not a tier's.
+- **tier** (``GpuTier`` through the same engine): real blocks with filled, random payloads put
+  into the GPU tier (host block -> pinned staging -> device slots) and read back with
+  ``get_into`` (device slots -> staging -> host tensors), every byte compared with what was put,
+  against the same raw copies of the same number of bytes.
+
+Every timing waits for its own completion; medians over alternating repetitions. Before
+measuring, a byte-exact self-check exercises every GPU-path component, so the script doubles as
+the GPU test runner where pytest is not installed.
 
 Imports only torch and numpy (cupy optionally, through the engine): it runs as-is on a GPU box
 that carries nothing else. Without CUDA it measures the CPU fallback of the same classes and
@@ -38,8 +47,14 @@ from kvtier.transfer.engine import TransferEngine
 from storage_backends.gpu import GpuTier
 from storage_backends.memory import MemoryTier
 
+#: Target of the engine figure (engine / raw pinned copy); the tier figure is reported against
+#: the same raw copy without a target of its own.
 TARGET_RATIO = 0.9
 DEFAULT_SIZES_MIB = (1, 4, 16, 64)
+#: The tier figure's blocks: a Llama-3.2-1B-like layout (16 layers x 8 KV heads x 64, bf16,
+#: 16 tokens = 512 KiB), so every whole-MiB batch is a whole number of blocks.
+TIER_LAYOUT = KVLayout("gpu-bench-llama3-1b", num_layers=16, num_kv_heads=8, head_dim=64, dtype="bfloat16",
+                       block_tokens=16)
 #: Most page ids one self-check batch carries (the gather/scatter round trip moves 100).
 SELFCHECK_MAX_PAGES = 128
 
@@ -125,16 +140,27 @@ def _check_layerwise(engine: TransferEngine) -> CheckResult:
     return CheckResult("layerwise load", True, f"{n_layers} layers, per-layer readiness")
 
 
-def _check_gpu_tier(engine: TransferEngine) -> CheckResult:
-    layout = KVLayout("gpu-check", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
+def filled_blocks(layout: KVLayout, n: int, seed: int) -> list[Block]:
+    """``n`` chained blocks of ``layout`` whose payloads are random bytes drawn from ``seed``."""
     deriver = DomainDeriver(b"gpu-check-secret-0123456789")
-    chain = block_chain(layout, [Segment(list(range(16 * 12)), Scope.public())], deriver)
-    gen = torch.Generator().manual_seed(7)
-    blocks = [
-        Block.build(layout, c.key, c.domain, torch.randn(layout.block_shape, generator=gen).to(layout.torch_dtype),
-                    parent=c.parent, index=c.index)
+    tokens = list(range(seed * 1_000_000, seed * 1_000_000 + n * layout.block_tokens))
+    chain = block_chain(layout, [Segment(tokens, Scope.public())], deriver)
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        Block.build(layout, c.key, c.domain,
+                    torch.randint(0, 256, (layout.bytes_per_block,), dtype=torch.uint8, generator=gen)
+                    .view(layout.torch_dtype).view(layout.block_shape), parent=c.parent, index=c.index)
         for c in chain
     ]  # fmt: skip
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _check_gpu_tier(engine: TransferEngine) -> CheckResult:
+    layout = KVLayout("gpu-check", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
+    blocks = filled_blocks(layout, 12, 7)
     gpu = GpuTier(n_slots=5, slot_bytes=layout.bytes_per_block, engine=engine)
     store = TieredStore([gpu, MemoryTier(64 * layout.bytes_per_block)])
     for i in range(0, len(blocks), 3):
@@ -192,13 +218,21 @@ class Stopwatch:
         self.reps = reps
         self.warmup = warmup
 
-    def medians(self, fns: dict[str, Callable[[], None]]) -> dict[str, float]:
+    def medians(
+        self, fns: dict[str, Callable[[], None]], setup: dict[str, Callable[[], None]] | None = None
+    ) -> dict[str, float]:
+        """``setup[name]`` (optional) runs untimed before each call of ``fns[name]``."""
+        before = setup or {}
         for _ in range(self.warmup):
-            for fn in fns.values():
+            for name, fn in fns.items():
+                if name in before:
+                    before[name]()
                 fn()
         times: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(self.reps):
             for name, fn in fns.items():
+                if name in before:
+                    before[name]()
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
@@ -212,7 +246,20 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+#: What the engine figure leaves out: the host never writes the h2d staging nor reads the d2h one.
+ENGINE_STAGING = "not filled (h2d) / not read (d2h): copy engine only"
+
+
+def _raw(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, sync: Callable[[], None]) -> Callable[[], None]:
+    def go() -> None:
+        dst.copy_(src, non_blocking=non_blocking)
+        sync()
+
+    return go
+
+
 def measure_size(engine: TransferEngine, size: int, params: BenchParams) -> list[dict[str, object]]:
+    """The engine figure at one batch size (see the module doc: staging is neither filled nor read)."""
     dev, cuda = engine.device, engine.cuda
     pb = params.page_bytes
     n = size // pb
@@ -233,11 +280,7 @@ def measure_size(engine: TransferEngine, size: int, params: BenchParams) -> list
         engine.scatter(lease, pool, ids, wait_current=False).wait()
 
     def raw(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> Callable[[], None]:
-        def go() -> None:
-            dst.copy_(src, non_blocking=non_blocking)
-            sync()
-
-        return go
+        return _raw(dst, src, non_blocking, sync)
 
     rows = []
     for direction, ours, base_pinned, base_pageable in (
@@ -250,6 +293,8 @@ def measure_size(engine: TransferEngine, size: int, params: BenchParams) -> list
         med = watch.medians(fns)
         gbps = {k: size / v / 1e9 for k, v in med.items()}
         rows.append({
+            "figure": "engine",
+            "staging": ENGINE_STAGING,
             "direction": direction,
             "bytes": size,
             "pages": n,
@@ -276,6 +321,95 @@ def _verify(engine: TransferEngine, pool: torch.Tensor, ids: np.ndarray) -> None
         raise AssertionError("engine scatter wrote different bytes than it was given")
 
 
+def _device_idle(device: torch.device) -> Callable[[], None]:
+    """Wait until the device has run everything queued. ``GpuTier.put`` returns once its bytes are
+    staged, with the copies into the pool possibly still queued on the engine's stream, and hands
+    out no completion; nothing else runs on the device during this benchmark, so waiting for the
+    whole device waits for exactly those copies. CPU copies are done when put returns."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def measure_tier(engine: TransferEngine, size: int, params: BenchParams) -> list[dict[str, object]]:
+    """The tier figure at one batch size: filled blocks put into a GpuTier and read back with
+    ``get_into``, bytes verified, against raw copies of as many bytes."""
+    dev, cuda = engine.device, engine.cuda
+    bb = TIER_LAYOUT.bytes_per_block
+    if size % bb:
+        raise ValueError(f"the tier figure needs whole {bb}-byte blocks; {size} bytes is not")
+    n = size // bb
+    blocks = filled_blocks(TIER_LAYOUT, n, seed=size // MiB)
+    keys = [b.key for b in blocks]
+    outs = [torch.empty_like(b.data) for b in blocks]
+    tier = GpuTier(n_slots=n, slot_bytes=bb, engine=engine)
+    contiguous_dev = torch.empty(size, dtype=torch.uint8, device=dev)
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    pageable = torch.empty(size, dtype=torch.uint8)
+    sync, idle = _sync(dev), _device_idle(dev)
+    watch = Stopwatch(params.reps, params.warmup)
+
+    def put() -> None:
+        res = tier.put(blocks)
+        idle()
+        if len(res.stored) != n:
+            raise AssertionError(f"GpuTier stored {len(res.stored)} of {n} blocks (rejected {len(res.rejected)})")
+
+    def get() -> None:
+        got = tier.get_into(keys, outs)
+        if any(g is None for g in got):
+            raise AssertionError("GpuTier lost a block it was given")
+
+    try:
+        # put needs an empty tier, get the blocks the put just stored: they run in this order.
+        fns = {"tier put": put, "tier get": get,
+               "h2d pinned": _raw(contiguous_dev, pinned, True, sync),
+               "d2h pinned": _raw(pinned, contiguous_dev, True, sync)}
+        if cuda:  # without CUDA both baselines are the same host memcpy; time it once
+            fns["h2d pageable"] = _raw(contiguous_dev, pageable, False, sync)
+            fns["d2h pageable"] = _raw(pageable, contiguous_dev, False, sync)
+        med = watch.medians(fns, setup={"tier put": lambda: tier.delete(keys)})
+        # The last timed get left its bytes in ``outs``: the timed path itself must be the right one.
+        if not all(_same_bytes(o, b.data) for o, b in zip(outs, blocks, strict=True)):
+            raise AssertionError("GpuTier get_into returned other bytes than were put (timed run)")
+        _verify_tier(tier, blocks, outs)
+    finally:
+        tier.close()
+    gbps = {k: size / v / 1e9 for k, v in med.items()}
+    rows: list[dict[str, object]] = []
+    for op, direction in (("put", "h2d"), ("get", "d2h")):
+        ours, base = gbps[f"tier {op}"], gbps[f"{direction} pinned"]
+        rows.append({
+            "figure": "tier",
+            "op": op,
+            "direction": direction,
+            "bytes": size,
+            "blocks": n,
+            "block_bytes": bb,
+            "tier_gbps": ours,
+            "pinned_gbps": base,
+            "pageable_gbps": gbps.get(f"{direction} pageable"),
+            "ratio_vs_pinned": ours / base,
+            "verified": True,
+        })  # fmt: skip
+    return rows
+
+
+def _verify_tier(tier: GpuTier, blocks: list[Block], outs: list[torch.Tensor]) -> None:
+    """An untimed round trip into zeroed destinations, and a plain ``get``: every byte as put."""
+    keys = [b.key for b in blocks]
+    tier.delete(keys)
+    tier.put(blocks)
+    for o in outs:
+        o.zero_()
+    tier.get_into(keys, outs)
+    if not all(_same_bytes(o, b.data) for o, b in zip(outs, blocks, strict=True)):
+        raise AssertionError("GpuTier get_into returned other bytes than were put")
+    got = tier.get(keys)
+    if not all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True)):
+        raise AssertionError("GpuTier get returned other bytes than were put")
+
+
 # -- CLI --------------------------------------------------------------------------------------------
 
 
@@ -300,9 +434,14 @@ def run(args: argparse.Namespace) -> int:
         "device": None,  # named once the engine has picked its device
         "cuda": cuda,
         "torch": torch.__version__,
-        "target_ratio_vs_pinned": TARGET_RATIO,
+        "figures": {
+            "engine": f"TransferEngine gather/scatter of scattered pages; staging {ENGINE_STAGING}",
+            "tier": "GpuTier.put / get_into of filled blocks through the same engine, every byte verified",
+        },
+        "target_ratio_vs_pinned": TARGET_RATIO,  # of the engine figure
         "selfcheck": [],
-        "results": [],
+        "engine_results": [],
+        "tier_results": [],
     }
     # The JSON is the run's record on a machine nobody can look at afterwards: write it whatever
     # happens, with the error when something the self-check does not cover (setup, a measurement) fails.
@@ -339,23 +478,40 @@ def _run(args: argparse.Namespace, params: BenchParams, payload: dict[str, objec
         return 1 if failed else 0
 
     results: list[dict[str, object]] = []
-    payload["results"] = results  # filled in place: a failing size keeps the sizes measured before it
+    tier_results: list[dict[str, object]] = []
+    # Filled in place: a failing size keeps the sizes measured before it.
+    payload["engine_results"] = results
+    payload["tier_results"] = tier_results
     for mib in params.sizes_mib:
-        progress(f"measuring {mib} MiB batches ({params.reps} reps)")
+        progress(f"measuring {mib} MiB batches ({params.reps} reps): engine, then tier")
         results.extend(measure_size(engine, mib * MiB, params))
-    payload["params"] = {"page_bytes": page_bytes, "reps": params.reps, "warmup": params.warmup}
+        tier_results.extend(measure_tier(engine, mib * MiB, params))
+    payload["params"] = {"page_bytes": page_bytes, "reps": params.reps, "warmup": params.warmup,
+                         "tier_block_bytes": TIER_LAYOUT.bytes_per_block}
     if not cuda:
         payload["note"] = "CUDA absent: CPU fallback; 'pinned' is a plain host copy and pageable is not measured"
     for r in results:
         r["MiB"] = int(r["bytes"]) // MiB
         r["target"] = "met" if r["meets_target"] else "MISSED"
+    for r in tier_results:
+        r["MiB"] = int(r["bytes"]) // MiB
+    print(f"ENGINE figure (TransferEngine gather/scatter; staging {ENGINE_STAGING})")
     print(table(results, [
         ("direction", "dir", ""), ("MiB", "MiB", "d"), ("engine_gbps", "engine GB/s", ".2f"),
         ("pinned_gbps", "raw pinned GB/s", ".2f"), ("pageable_gbps", "pageable GB/s", ".2f"),
         ("ratio_vs_pinned", "engine/pinned", ".3f"), ("target", f">= {TARGET_RATIO}", ""),
     ]))  # fmt: skip
+    print(f"\nTIER figure (GpuTier put / get_into of filled {TIER_LAYOUT.bytes_per_block // 1024} KiB blocks, "
+          "bytes verified; vs raw copies of as many bytes)")
+    print(table(tier_results, [
+        ("op", "op", ""), ("direction", "dir", ""), ("MiB", "MiB", "d"), ("blocks", "blocks", "d"),
+        ("tier_gbps", "tier GB/s", ".2f"), ("pinned_gbps", "raw pinned GB/s", ".2f"),
+        ("pageable_gbps", "pageable GB/s", ".2f"), ("ratio_vs_pinned", "tier/pinned", ".3f"),
+    ]))  # fmt: skip
     for r in results:
         del r["MiB"], r["target"]
+    for r in tier_results:
+        del r["MiB"]
     engine.close()
     return 0
 

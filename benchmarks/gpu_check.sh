@@ -2,10 +2,15 @@
 # GPU check for the transfer engine and the GPU hot tier, in one run (< 5 minutes on one GPU):
 #   1. the GPU-marked tests (pytest -m gpu), when pytest is importable;
 #   2. benchmarks/gpu_bench.py: a byte-exact self-check of every GPU-path component (this is the
-#      test runner where pytest is missing), then device->host and host->device throughput of the
-#      transfer engine for 1-64 MiB batches against a raw torch pinned-memory copy of the same
-#      bytes and against the pageable-memory copy, measured in the same run. Table on stdout, JSON
-#      in $OUT/gpu_check.json (or out/ in the repo when OUT is unset).
+#      test runner where pytest is missing), then two figures for 1-64 MiB batches, each against a
+#      raw torch pinned-memory copy of the same number of bytes and the pageable-memory copy,
+#      measured in the same run:
+#      - ENGINE: device->host and host->device throughput of the transfer engine alone (its staging
+#        is never filled or read by the host: the copy engine's speed, not a tier's);
+#      - TIER: filled blocks put into the GPU tier and read back (GpuTier.put / get_into through the
+#        same engine), every byte verified.
+#      Tables on stdout, JSON in $OUT/gpu_check.json (engine_results, tier_results; or out/ in the
+#      repo when OUT is unset).
 # Needs only a python with torch (+ numpy; cupy and pytest optional): nothing here imports lmdb,
 # boto3, cryptography or msgpack, and nothing uses the network.
 #
@@ -90,7 +95,7 @@ else
   echo "gpu_check: pytest is not installed: the GPU tests run as gpu_bench's byte-exact self-check below"
 fi
 
-echo "gpu_check: transfer engine throughput vs raw torch copies"
+echo "gpu_check: transfer engine and GPU tier throughput vs raw torch copies"
 # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of flags
 limited 100 "$PY" -m benchmarks.gpu_bench --json "$OUTDIR/gpu_check.json" ${GPU_BENCH_ARGS:-}
 rc=$?

@@ -78,3 +78,36 @@ def test_cupy_check_passes_unexercised_without_cupy(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(gpu_bench, "find_spec", lambda _name: None)
     res = gpu_bench._check_copiers(fallback_engine(cuda=True))
     assert res.ok and res.detail.startswith("not exercised")
+
+
+def test_engine_and_tier_figures_are_labelled_and_the_tier_figure_moves_verified_blocks(tmp_path: Path) -> None:
+    """Runs the CPU path of both figures (the same classes as on a GPU): the engine figure says its
+    staging is neither filled nor read, the tier figure puts and reads back real blocks."""
+    assert gpu_bench.run(bench_args(tmp_path, "--sizes-mib", "1", "2")) == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert set(out["figures"]) == {"engine", "tier"} and "results" not in out
+    engine_rows, tier_rows = out["engine_results"], out["tier_results"]
+    assert [(r["figure"], r["direction"], r["bytes"]) for r in engine_rows] == [
+        ("engine", d, m << 20) for m in (1, 2) for d in ("d2h", "h2d")]
+    assert all(r["staging"] == gpu_bench.ENGINE_STAGING for r in engine_rows)
+    bb = gpu_bench.TIER_LAYOUT.bytes_per_block
+    assert [(r["figure"], r["op"], r["direction"], r["blocks"]) for r in tier_rows] == [
+        ("tier", op, d, (m << 20) // bb) for m in (1, 2) for op, d in (("put", "h2d"), ("get", "d2h"))]
+    assert all(r["verified"] is True and r["block_bytes"] == bb and r["tier_gbps"] > 0 for r in tier_rows)
+
+
+def test_tier_figure_blocks_carry_filled_payloads() -> None:
+    blocks = gpu_bench.filled_blocks(gpu_bench.TIER_LAYOUT, 3, seed=1)
+    raw = [b.data.reshape(-1).view(torch.uint8) for b in blocks]
+    assert all(r.numel() == gpu_bench.TIER_LAYOUT.bytes_per_block for r in raw)
+    assert all(int(r.count_nonzero()) > 0.9 * r.numel() for r in raw)  # random bytes, not zeroed staging
+    assert not torch.equal(raw[0], raw[1])
+    assert len({b.key for b in blocks}) == 3
+
+
+def test_measure_tier_refuses_partial_blocks() -> None:
+    engine = TransferEngine("cpu", TransferConfig(buffer_bytes=4 << 20, n_buffers=2))
+    params = gpu_bench.BenchParams((1,), 65536, 1, 0)
+    with pytest.raises(ValueError, match="whole"):
+        gpu_bench.measure_tier(engine, gpu_bench.TIER_LAYOUT.bytes_per_block + 1, params)
+    engine.close()
