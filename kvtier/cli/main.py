@@ -83,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"kvtier: {args._missing}", file=sys.stderr)
         return 2
+    # Whether this call is the process's own command line (a command may re-execute it: serve).
+    args._argv = list(sys.argv[1:]) if argv is None else None
     run = getattr(args, "_run", None)
     if run is None:
         (getattr(args, "_help", None) or parser).print_help()

@@ -184,6 +184,10 @@ class ServerConfig:
                           check=in_range(1, 4096))
     max_regions_per_client: int = _f(4, "Shared-memory regions one credential may attach at once.",
                                      check=in_range(1, 4096))
+    huge_pages: bool = _f(True, "`kvtier serve` backs malloc's heaps with transparent huge pages (glibc on "
+                                "Linux; it restarts itself once with GLIBC_TUNABLES set): stored and promoted "
+                                "blocks land on fresh memory, whose 4 KiB first-touch faults cost more than "
+                                "the copies.")
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -28,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.errors import ConfigError
-from kvtier.hostmem import tune_malloc_for_large_blocks
+from kvtier.hostmem import tune_malloc_for_large_blocks, with_huge_page_malloc
 from kvtier.keys import PUBLIC
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.security.salts import HmacSaltMapper, RequestSalts, read_salt_key
@@ -268,6 +269,12 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         print(f"{args.config}: ok")
         return 0
+    argv = getattr(args, "_argv", None)  # None: called in process (tests), never re-executed
+    env = with_huge_page_malloc(dict(os.environ)) if config.server.huge_pages and argv is not None else None
+    if env is not None:
+        # Once, before anything is allocated or bound: the same process (pid) with malloc on huge
+        # pages. GLIBC_TUNABLES then holds the tunable, so the new image does not come back here.
+        os.execve(sys.executable, [sys.executable, "-m", "kvtier.cli", *argv], env)
     handler = configure_logging(config.server.log_level)
     # The daemon's parallelism is its RPC threads. Torch's intra-op threads on top of them only
     # contend for the same cores (measured: a 512 KiB block copy 0.9 -> 6 GB/s with one thread),
