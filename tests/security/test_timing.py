@@ -88,7 +88,10 @@ def test_the_harness_sees_the_public_channel_that_exists_by_design(rig: CacheRig
     cached, fresh = _public(rig)
     assert rig.cache.lookup(BOB, rig.cache.chain(BOB, cached[0])).length == 48
     auc = measure(rig, cached, fresh)
-    assert auc >= 0.75, f"expected a visible hit/miss difference on shared public blocks (AUC {auc:.3f})"
+    # Above the no-channel band (0.5 +- 0.1, the private-prefix test's bound) with a margin. Not
+    # 0.75: unchanged code measures 0.68-0.90 from one process to the next on this machine (the
+    # commit before issue 16's work failed 0.75 in 4 of 10 runs), always far above 0.6.
+    assert auc >= 0.65, f"expected a visible hit/miss difference on shared public blocks (AUC {auc:.3f})"
 
 
 @pytest.mark.parametrize("rig", [TimingMitigations(min_public_prefix_blocks=64)], indirect=True)
