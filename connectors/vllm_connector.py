@@ -29,12 +29,13 @@ How vLLM's world maps onto kvtier:
   ``build_connector_meta`` turns the step into load and save jobs (salt, tokens, segments, block
   ids, and the scheduler's lookup for workers of the same layout).
 - Worker side (pages move through kvtier's TransferEngine, ``connectors.vllm_pages``):
-  ``start_load_kv`` reads the blocks on a thread and queues them layer by layer;
-  ``wait_for_layer_load`` waits for its own layer; ``save_kv_layer`` queues a gather into pinned
-  staging and returns; ``wait_for_save`` waits for those copies once per step and hands the
-  blocks to a saver thread (``connectors.block_saver``). Blocks that could not be loaded are
-  reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them; nothing wrong is
-  ever written into the pages, because the KVCache returns only verified blocks.
+  ``start_load_kv`` reads the blocks on a thread and queues them layer by layer (host pages:
+  that thread copies them, layer by layer); ``wait_for_layer_load`` waits for its own layer;
+  ``save_kv_layer`` queues a gather into pinned staging and returns; ``wait_for_save`` waits for
+  those copies once per step and hands the blocks to a saver thread (``connectors.block_saver``).
+  Blocks that could not be loaded are reported through ``get_block_ids_with_load_errors`` so vLLM
+  recomputes them; nothing wrong is ever written into the pages, because the KVCache returns only
+  verified blocks.
 """
 
 from __future__ import annotations
@@ -206,6 +207,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self.load_enabled = self._kv_transfer_config.is_kv_consumer
         self.block_tokens = self.layout.block_tokens
         self._lock = threading.Lock()
+        #: Host pages: how many layers the load thread has copied, and whether it still runs.
+        self._progress = threading.Condition(self._lock)
+        self._layers_copied = 0
+        self._load_running = False
         self.stats: Counter[str] = Counter()
         #: ``kvtier.stats_file``: each process publishes its counters to ``<path>.<role>.<pid>.json``
         #: (vLLM's scheduler and workers live in different processes; this is how an operator, or a
@@ -369,6 +374,8 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         self._join_load()  # an async load of an earlier step may still run
         self._loads = []
+        with self._progress:
+            self._layers_copied, self._load_running = 0, True
         self._load_thread = threading.Thread(target=self._load_guarded, args=(meta.loads, meta.async_loads),
                                              name="kvtier-vllm-load", daemon=True)
         self._load_thread.start()
@@ -379,6 +386,10 @@ class KvtierConnector(KVConnectorBase_V1):
         except BaseException as exc:  # re-raised on the model runner's thread by _join_load
             with self._lock:
                 self._thread_exc = exc
+        finally:
+            with self._progress:
+                self._load_running = False
+                self._progress.notify_all()
 
     def _join_load(self) -> None:
         """Wait for the load thread; a bug inside it surfaces here instead of vanishing with it."""
@@ -417,6 +428,15 @@ class KvtierConnector(KVConnectorBase_V1):
         if scatter_all:  # an async load is finished only when its copies have completed
             for _, ld in loads:
                 ld.wait()
+        elif self._paged.host_pages:
+            # Host pages: a copy is complete when submitted, so this thread makes them, layer by
+            # layer, while the forward pass computes the layers already in place.
+            for layer in range(len(self._layer_index)):
+                for _, ld in loads:
+                    ld.wait_layer(layer)
+                with self._progress:
+                    self._layers_copied = layer + 1
+                    self._progress.notify_all()
         with self._lock:
             self._loads = loads
             self._invalid_blocks |= invalid
@@ -435,10 +455,19 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         if layer_name in self._scattered or layer_name not in self._layer_index:
             return
-        self._join_load()  # the read is done and every layer's copy queued
         li = self._layer_index[layer_name]
-        for _, ld in self._loads:
-            ld.wait_layer(li)  # this layer only: later layers may still be copying
+        assert self._paged is not None
+        if self._paged.host_pages:  # the load thread copies; wait until it is past this layer
+            with self._progress:
+                self._progress.wait_for(lambda: self._layers_copied > li or not self._load_running)
+                copied = self._layers_copied > li
+            if not copied:
+                self._join_load()  # it stopped early: its exception surfaces here
+                raise AssertionError(f"the load thread ended without copying layer {li}")
+        else:
+            self._join_load()  # the read is done and every layer's copy queued
+            for _, ld in self._loads:
+                ld.wait_layer(li)  # this layer only: later layers may still be copying
         self._scattered.add(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,

@@ -113,6 +113,11 @@ class PagedKV:
             loads.append(self.engine.load_layers(src, self.views, list(ids[a : a + per])))
         return LayerLoad(loads, self.views, [], [])
 
+    @property
+    def host_pages(self) -> bool:
+        """The pages are in host memory: a copy into them is complete when it returns (no stream)."""
+        return not self.engine.cuda
+
     def close(self) -> None:
         self.engine.close()
 

@@ -331,6 +331,9 @@ class TransferEngine:
             )
         start = [*after, self.fence_current()] if wait_current else list(after)
         by_layer = src_rows.view(n, n_layers, lb) if n else None
+        if not self.cuda:
+            return LayerwiseLoad(n_layers, n, self._host_layer_copy(by_layer, layers, dst_layers, ids),
+                                 self.config.prefetch_layers, self.device)
 
         def submit(layer: int) -> Completion:
             if n == 0:
@@ -396,6 +399,28 @@ class TransferEngine:
         finally:
             lease.release(dones[-1] if dones else DONE)
         return LayerwiseLoad(n_layers, n, dones.__getitem__, n_layers, self.device)
+
+    def _host_layer_copy(self, by_layer: torch.Tensor | None, layers: Sequence[torch.Tensor],
+                         dst_layers: Sequence[torch.Tensor], ids: np.ndarray) -> Callable[[int], Completion]:
+        """``load_layers``' per-layer copy when the pages are in host memory: straight from the
+        source rows into the pages, one copy per byte. Staging exists for pinned DMA to a device;
+        on the host it would only add a second pass over every byte."""
+        n = len(ids)
+        run = _run_start(ids)
+        dst_ids = None if run is not None else torch.from_numpy(ids)
+
+        def submit(layer: int) -> Completion:
+            if n == 0 or by_layer is None:
+                return DONE
+            src, rows = by_layer[:, layer, :], layers[layer]
+            dst = rows[run : run + n] if run is not None else rows
+
+            def work(_scratch: torch.Tensor | None) -> None:
+                self.copier.copy(src, None, dst, dst_ids, n)
+
+            return self._submit(H2D, work, (), False, borrowed=(dst_layers[layer],))
+
+        return submit
 
     def fence_current(self) -> Completion:
         """A completion after the work queued so far on the caller's current stream."""

@@ -416,6 +416,22 @@ def test_load_layers_is_lazy_and_per_layer_exact(device: str) -> None:
     assert eng.staging.lent == 0
 
 
+def test_host_load_layers_copies_each_byte_once_without_staging() -> None:
+    """Host pages: a load copies from the source rows straight into the pages (staging exists for
+    DMA to a device; on the host it would be a second pass over every byte)."""
+    eng = small_engine("cpu")
+    n_layers, lb = 3, 64
+    src = layered_source(4, n_layers, lb)
+    for ids in ([2, 3, 4, 5], [6, 1, 3, 0]):  # one run of pages, and scattered pages
+        dst = [torch.zeros(8, lb, dtype=torch.uint8) for _ in range(n_layers)]
+        load = eng.load_layers(src, dst, ids)
+        load.wait()
+        for layer in range(n_layers):
+            assert torch.equal(dst[layer][ids], src[:, layer, :])
+            assert not dst[layer][[p for p in range(8) if p not in ids]].any()
+    assert eng.staging.peak_inflight_bytes == 0, "no staging buffer was taken"
+
+
 def test_load_layers_bad_input() -> None:
     eng = small_engine()
     dst = [torch.zeros(8, 64, dtype=torch.uint8) for _ in range(2)]
