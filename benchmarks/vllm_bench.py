@@ -24,9 +24,10 @@ off there), on the other server from vLLM's own prefix cache. The kvtier server'
 from the connector's counters, and the run counts as valid only if kvtier served hits.
 
 JSON: ``ttft_cold_ms``, ``ttft_warm_ms``, ``speedup``, ``token_hit_rate``, ``identical_outputs``,
-``ttft_local_hit_ms``, ``warm_vs_local_hit``, ``ttft_warm_same_prompt_ms`` (the first prompt sent
-again to the kvtier server: every full block from kvtier, like for like with the local hit),
-``warm_same_prompt_vs_local_hit``, the per-request rows and (``--serve-bench``)
+``ttft_local_hit_ms``, ``warm_vs_local_hit``, ``ttft_warm_same_prompt_ms`` (a warm prompt sent
+again to the kvtier server once its blocks are saved: every full block from kvtier, like for like
+with the local hit; ``same_prompt_hit_tokens`` of ``same_prompt_full_block_tokens`` say whether it
+was), ``warm_same_prompt_vs_local_hit``, the per-request rows and (``--serve-bench``)
 ``serve_bench``: per concurrency and server, ``vllm bench serve``'s TTFT mean/median/p99 (ms),
 request throughput and, on the kvtier server, the hit tokens.
 """
@@ -281,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
             "kvtier.cache": "daemon", "kvtier.daemon": address, "kvtier.daemon_token_file": str(token_file),
             "kvtier.model_id": MODEL_ID, "kvtier.scope_rule": "public-registry", "kvtier.stats_file": str(stats)})
         rows: list[dict[str, Any]] = []
-        prompt_tokens = 0
+        prompt_tokens = same_hits = same_full = 0
         for r, (doc, qs) in enumerate(plan):
             cold = complete(kv, doc + qs[0], salts[0])
             rows.append({"round": r, "question": 0, "phase": "cold", "tenant": 0, **cold})
@@ -290,9 +291,16 @@ def run(args: argparse.Namespace) -> int:
             for tenant, i in ((1, 1), (0, 2)):
                 warm = complete(kv, doc + qs[i], salts[tenant])
                 rows.append({"round": r, "question": i, "phase": "warm", "tenant": tenant, **warm})
-            # The first prompt again: every full block from kvtier, the like of vLLM's local hit below.
-            again = complete(kv, doc + qs[0], salts[0])
-            rows.append({"round": r, "question": 0, "phase": "warm_same", "tenant": 0, **again})
+            # Tenant 1's prompt again once its question's blocks are saved: every full block from
+            # kvtier (checked on the scheduler's counters), the like of vLLM's local hit below. (Tenant
+            # 0's first prompt would not do: its question's blocks were saved after a private copy of
+            # the document, and are keyed after that, not after the public blocks.)
+            wait_for_saves(stats)
+            before = fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0)
+            again = complete(kv, doc + qs[1], salts[1])
+            rows.append({"round": r, "question": 1, "phase": "warm_same", "tenant": 1, **again})
+            same_hits += fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0) - before
+            same_full += (len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
             prompt_tokens += 4 * (len(doc) + len(qs[0]))
         sched = fresh_counters(kv, stats, salts[0])["scheduler"]
         # `vllm bench serve` as one more tenant, whose blocks nothing before has computed.
@@ -311,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
                     doc_hits.append(ref["ttft_ms"])
                 ours = [x["text"] for x in rows if x["round"] == r and x["question"] == i]
                 identical &= ours == [ref["text"]] * len(ours)
-            again = complete(base, doc + qs[0], None)  # the same prompt again: vLLM's own prefix cache
+            again = complete(base, doc + qs[1], None)  # the same prompt again: vLLM's own prefix cache
             local_hits.append(again["ttft_ms"])
         base_serve = [run_serve_bench(args.vllm_python, base, model, spec, serve_salt,
                                       work / "serve-bench" / f"vllm-only-c{spec.concurrency}.json")
@@ -332,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
         "warm_vs_local_hit": round(warm_ms / local_ms, 2),
         # Like for like with vLLM's local hit: the same prompt again, its full blocks from kvtier.
         "ttft_warm_same_prompt_ms": round(same_ms, 1), "warm_same_prompt_vs_local_hit": round(same_ms / local_ms, 2),
+        # Tokens of those requests kvtier served, of their full blocks (like for like only when equal).
+        "same_prompt_hit_tokens": same_hits, "same_prompt_full_block_tokens": same_full,
         # The same work as kvtier's warm request: the document cached, a new question computed.
         "ttft_local_doc_hit_ms": round(doc_ms, 1), "warm_vs_local_doc_hit": round(warm_ms / doc_ms, 2),
         "connector": sched,
@@ -343,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
           f"speedup {cold_ms / warm_ms:.2f}x")
     print(f"  vLLM's own prefix cache: same prompt {local_ms:.0f} ms (warm / that {warm_ms / local_ms:.2f}x), "
           f"same document + new question {doc_ms:.0f} ms (warm / that {warm_ms / doc_ms:.2f}x)")
-    print(f"  the same prompt again through kvtier {same_ms:.0f} ms ({same_ms / local_ms:.2f}x vLLM's own local hit)")
+    print(f"  the same prompt again through kvtier {same_ms:.0f} ms ({same_ms / local_ms:.2f}x vLLM's own local hit; "
+          f"{same_hits} of its {same_full} full-block tokens from kvtier)")
     print(f"  token hit rate {result['token_hit_rate']}   identical outputs {identical}")
     valid = True
     if serve:
