@@ -1,6 +1,6 @@
 """`kvtier bench vllm`: time to first token of a serving vLLM with kvtier through the daemon.
 
-Starts ``vllm serve`` (vLLM's OpenAI server, the CPU build from ``.venv-vllmcpu``) twice on a
+Starts two ``vllm serve`` (vLLM's OpenAI server, the CPU build from ``.venv-vllmcpu``) side by side on a
 random-weight Llama of 12 layers x 768 hidden, 12 heads, 4 KV heads (written as a config.json and
 a word-level tokenizer built offline; ``--load-format dummy``, seed 0): once with the kvtier
 connector through a ``kvtier serve`` daemon (vLLM's own prefix caching off, so every reuse is
@@ -8,11 +8,13 @@ kvtier's), once without kvtier (prefix caching on). The seed scenario runs over 
 streaming: per round a fresh public 4,000-token document; tenant 0 asks a 100-token private
 question about it (cold); the document is then published in the public registry, and both
 tenants ask new questions (warm: the document's blocks come from kvtier). Prompts are sent as
-token ids; TTFT is the time to the first streamed token. Cold and warm requests alternate in one
-run on one server. On the server without kvtier the same prompts are computed from scratch (their
-greedy text must equal the kvtier server's: ``identical_outputs``), and a prompt sent twice gives
-vLLM's own local prefix-cache hit, the upper bound for the warm TTFT; the same document with a
-new question gives the local hit that does the same work as kvtier's warm request.
+token ids; TTFT is the time to the first streamed token. Every prompt goes to both servers, the
+two requests one after the other in alternating order (A B, then B A), each after a pause in
+which the other server's engine goes idle (``IDLE_S``). The server without kvtier computes the
+first prompt from scratch and the others from vLLM's own prefix cache (the document with a new
+question: the local hit that does the same work as kvtier's warm request; a prompt sent again:
+vLLM's own local hit of the same prompt, the upper bound for kvtier's); their greedy text must
+equal the kvtier server's (``identical_outputs``).
 
 With ``--serve-bench`` (on by default, off with ``--quick`` unless given), vLLM's own benchmark
 client, ``vllm bench serve`` from the same environment, also runs against each server: its
@@ -58,6 +60,10 @@ MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "intermediate"
 MODEL_ID = "kvtier-bench-llama-12x768"
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants multiples of 32
 SERVE_OUTPUT_TOKENS = 4  # `vllm bench serve` measures TTFT here; a few decode steps suffice
+#: vLLM's engine and workers busy-poll their message queues for a second after each step (its
+#: shm_broadcast ``SpinCondition``). With both servers on one machine, a request waits this long
+#: first, so neither server's request competes with the other's spinning.
+IDLE_S = 1.2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,10 +136,13 @@ def _free_port() -> int:
 class Server:
     proc: subprocess.Popen[bytes]
     url: str
+    name: str = "vllm"
 
 
-def start_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name: str,
-               kvtier: dict[str, Any] | None) -> Server:
+def launch_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name: str,
+                kvtier: dict[str, Any] | None) -> Server:
+    """Start ``vllm serve`` (``kvtier``: with the connector, vLLM's prefix caching off; None:
+    without kvtier, prefix caching on); ``wait_ready`` waits until it answers."""
     port = _free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "m",
            "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "8192",
@@ -151,19 +160,23 @@ def start_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name: 
     progress(f"starting vllm serve ({name})")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     stack.callback(_stop_group, proc)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    return Server(proc, f"http://127.0.0.1:{port}", name)
+
+
+def wait_ready(server: Server, workdir: Path, timeout_s: float = 600.0) -> Server:
+    deadline = time.monotonic() + timeout_s
     while True:
-        if proc.poll() is not None:
-            raise TierUnavailable(f"vllm serve ({name}) exited with {proc.returncode}: see {workdir / (name + '.log')}")
+        if server.proc.poll() is not None:
+            raise TierUnavailable(f"vllm serve ({server.name}) exited with {server.proc.returncode}: "
+                                  f"see {workdir / (server.name + '.log')}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return Server(proc, url)
+                    return server
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise TierUnavailable(f"vllm serve ({name}) did not come up in 600 s")
+            raise TierUnavailable(f"vllm serve ({server.name}) did not come up in {timeout_s:.0f} s")
         time.sleep(1.0)
 
 
@@ -278,52 +291,64 @@ def run(args: argparse.Namespace) -> int:
             qs = [[rng.randrange(3, vocab) for _ in range(args.question_tokens)] for _ in range(3)]
             plan.append((doc, qs))
 
-        kv = start_vllm(stack, args.vllm_python, model, work, "kvtier", {
-            "kvtier.cache": "daemon", "kvtier.daemon": address, "kvtier.daemon_token_file": str(token_file),
-            "kvtier.model_id": MODEL_ID, "kvtier.scope_rule": "public-registry", "kvtier.stats_file": str(stats)})
+        # Both servers run side by side and the requests alternate between them (A B, then B A),
+        # each after a pause in which the other server's engine goes idle (see IDLE_S).
+        kv_cfg = {"kvtier.cache": "daemon", "kvtier.daemon": address, "kvtier.daemon_token_file": str(token_file),
+                  "kvtier.model_id": MODEL_ID, "kvtier.scope_rule": "public-registry", "kvtier.stats_file": str(stats)}
+        launched = [launch_vllm(stack, args.vllm_python, model, work, "kvtier", kv_cfg),
+                    launch_vllm(stack, args.vllm_python, model, work, "vllm-only", None)]
+        kv, base = (wait_ready(srv, work) for srv in launched)
         rows: list[dict[str, Any]] = []
+        refs: list[dict[str, Any]] = []  # the server without kvtier: the same prompts, in the same order
         prompt_tokens = same_hits = same_full = 0
+        step = [0]
+
+        def alternate(kv_prompt: list[int], salt: str, base_prompt: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+            """One request to each server, the order swapped at every call."""
+            out: dict[str, dict[str, Any]] = {}
+            order = ("kv", "base") if step[0] % 2 == 0 else ("base", "kv")
+            step[0] += 1
+            for who in order:
+                time.sleep(IDLE_S)
+                out[who] = complete(kv, kv_prompt, salt) if who == "kv" else complete(base, base_prompt, None)
+            return out["kv"], out["base"]
+
         for r, (doc, qs) in enumerate(plan):
-            cold = complete(kv, doc + qs[0], salts[0])
+            cold, ref = alternate(doc + qs[0], salts[0], doc + qs[0])
             rows.append({"round": r, "question": 0, "phase": "cold", "tenant": 0, **cold})
+            refs.append({"round": r, "question": 0, "phase": "cold", **ref})
             wait_for_saves(stats)
             publish(address, dep, token_file.read_text(), salts[0], doc, llama_layout())
             for tenant, i in ((1, 1), (0, 2)):
-                warm = complete(kv, doc + qs[i], salts[tenant])
+                # Without kvtier: the document from vLLM's own prefix cache, the question computed.
+                warm, ref = alternate(doc + qs[i], salts[tenant], doc + qs[i])
                 rows.append({"round": r, "question": i, "phase": "warm", "tenant": tenant, **warm})
+                refs.append({"round": r, "question": i, "phase": "doc_hit", **ref})
             # Tenant 1's prompt again once its question's blocks are saved: every full block from
-            # kvtier (checked on the scheduler's counters), the like of vLLM's local hit below. (Tenant
-            # 0's first prompt would not do: its question's blocks were saved after a private copy of
-            # the document, and are keyed after that, not after the public blocks.)
+            # kvtier (checked on the scheduler's counters), like for like with vLLM's own prefix-cache
+            # hit of the same prompt sent again. (Tenant 0's first prompt would not do: its question's
+            # blocks were saved after a private copy of the document, so they are keyed after that,
+            # not after the public blocks.)
             wait_for_saves(stats)
             before = fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0)
-            again = complete(kv, doc + qs[1], salts[1])
+            again, ref = alternate(doc + qs[1], salts[1], doc + qs[1])
             rows.append({"round": r, "question": 1, "phase": "warm_same", "tenant": 1, **again})
+            refs.append({"round": r, "question": 1, "phase": "local_hit", **ref})
             same_hits += fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0) - before
             same_full += (len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
             prompt_tokens += 4 * (len(doc) + len(qs[0]))
         sched = fresh_counters(kv, stats, salts[0])["scheduler"]
+        identical = all(x["text"] == y["text"] for x, y in zip(rows, refs, strict=True))
+        local_hits = [x["ttft_ms"] for x in refs if x["phase"] == "local_hit"]
+        doc_hits = [x["ttft_ms"] for x in refs if x["phase"] == "doc_hit"]
         # `vllm bench serve` as one more tenant, whose blocks nothing before has computed.
         serve_salt = dep.salt("initech", "carol")
         kv_serve = [kvtier_serve_bench(args.vllm_python, kv, model, spec, serve_salt, work, stats)
                     for spec in serve]
-        _stop_group(kv.proc)
-
-        base = start_vllm(stack, args.vllm_python, model, work, "vllm-only", None)
-        identical = True
-        local_hits, doc_hits = [], []
-        for r, (doc, qs) in enumerate(plan):
-            for i, q in enumerate(qs):
-                ref = complete(base, doc + q, None)  # i > 0: the document from vLLM's own prefix cache
-                if i > 0:
-                    doc_hits.append(ref["ttft_ms"])
-                ours = [x["text"] for x in rows if x["round"] == r and x["question"] == i]
-                identical &= ours == [ref["text"]] * len(ours)
-            again = complete(base, doc + qs[1], None)  # the same prompt again: vLLM's own prefix cache
-            local_hits.append(again["ttft_ms"])
         base_serve = [run_serve_bench(args.vllm_python, base, model, spec, serve_salt,
                                       work / "serve-bench" / f"vllm-only-c{spec.concurrency}.json")
                       for spec in serve]
+        _stop_group(kv.proc)
         _stop_group(base.proc)
 
     cold_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "cold")
