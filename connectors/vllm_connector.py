@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.block_saver import BlockSaver
 from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
-from connectors.vllm_pages import Gathered, LayerLoad, PagedKV
+from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, TierUnavailable
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.store.lookup import Lookup
@@ -403,13 +403,24 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def _load(self, jobs: Sequence[BlockJob], scatter_all: bool) -> None:
         """Read each job's blocks (the load thread), then queue them into the pages layer by layer.
-        ``scatter_all`` (async loads): wait until every layer's copy has completed."""
+        ``scatter_all`` (async loads): wait until every layer's copy has completed.
+
+        Host pages, synchronous loads: each read is offered to a PageSink, so its layers go into
+        the pages as they land from the daemon's shared memory and the forward pass starts on
+        layer 0 while later layers are still on their way; what the sink did not cover (blocks
+        that came inline, a tier that cannot deliver by layer) is copied from the blocks, layer
+        by layer, on this thread."""
         assert self._paged is not None, "start_load_kv before register_kv_caches"
+        host = self._paged.host_pages and not scatter_all
         loads: list[tuple[BlockJob, LayerLoad]] = []
         invalid: set[int] = set()
         error: BaseException | None = None
         counts: Counter[str] = Counter()
-        for job in jobs:
+        for j, job in enumerate(jobs):
+            # Only the step's last read may let the forward pass go ahead layer by layer, and only
+            # when nothing read before it still waits to be copied.
+            sink = PageSink(self._paged, job.block_ids,
+                            self._layer_copied if j == len(jobs) - 1 and not loads else None) if host else None
             try:
                 tenant = self.source.for_salt(job.salt)
                 if tenant is None:
@@ -417,26 +428,27 @@ class KvtierConnector(KVConnectorBase_V1):
                 chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
                 # The scheduler's lookup is this worker's only when both derive keys with one layout.
                 found = job.found if job.layout_fp == self.layout.fingerprint else None
-                blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], lookup=found)
+                blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], lookup=found, sink=sink)
             except (AccessDenied, TierUnavailable) as exc:  # refused or unreachable: vLLM recomputes them
                 blocks, error = [], exc
                 counts[f"load_error:{type(exc).__name__}"] += 1
             data = [b.data for b in blocks]
             counts["loaded_blocks"] += len(data)
             invalid.update(job.block_ids[len(data):])
+            if sink is not None and data and sink.complete(len(data)):
+                counts["loaded_by_layer"] += len(data)  # already in the pages
+                continue
             loads.append((job, self._paged.load(data, job.block_ids[: len(data)])))
         if scatter_all:  # an async load is finished only when its copies have completed
             for _, ld in loads:
                 ld.wait()
-        elif self._paged.host_pages:
+        elif host:
             # Host pages: a copy is complete when submitted, so this thread makes them, layer by
             # layer, while the forward pass computes the layers already in place.
             for layer in range(len(self._layer_index)):
                 for _, ld in loads:
                     ld.wait_layer(layer)
-                with self._progress:
-                    self._layers_copied = layer + 1
-                    self._progress.notify_all()
+                self._layer_copied(layer)
         with self._lock:
             self._loads = loads
             self._invalid_blocks |= invalid
@@ -446,6 +458,12 @@ class KvtierConnector(KVConnectorBase_V1):
             if scatter_all:
                 self._finished_recving |= {job.req_id for job in jobs}
             self.stats["load_failed_blocks"] += len(invalid)
+
+    def _layer_copied(self, layer: int) -> None:
+        """Host pages: layer ``layer`` of every block of this step's loads is in its page."""
+        with self._progress:
+            self._layers_copied = max(self._layers_copied, layer + 1)
+            self._progress.notify_all()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self.has_connector_metadata():

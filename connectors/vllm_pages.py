@@ -20,12 +20,13 @@ and ``direct`` is False (counted by the connector).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.errors import TransferError
+from kvtier.store.layer_sink import LayerSink
 from kvtier.transfer.copiers import page_rows
 from kvtier.transfer.device import TransferConfig
 from kvtier.transfer.engine import LayerwiseLoad, Transfer, TransferEngine
@@ -113,6 +114,19 @@ class PagedKV:
             loads.append(self.engine.load_layers(src, self.views, list(ids[a : a + per])))
         return LayerLoad(loads, self.views, [], [])
 
+    def load_layer(self, layer: int, rows: torch.Tensor, ids: Sequence[int]) -> None:
+        """Host pages: layer ``layer`` of blocks given as rows (uint8 ``[n, page bytes]``, rows
+        may lie apart) into pages ``ids``, now."""
+        assert self.host_pages, "a layer is copied straight into host pages only"
+        view = self.views[layer]
+        if not self.direct:
+            index = torch.tensor(list(ids), dtype=torch.long)
+            view[index] = rows.view(self.dtype).reshape(len(ids), *self.page_shape)
+            return
+        per = max(1, self.engine.config.buffer_bytes // self.page_bytes)
+        for a in range(0, len(ids), per):
+            self.engine.load_layers(rows[a : a + per], [view], list(ids[a : a + per])).wait()
+
     @property
     def host_pages(self) -> bool:
         """The pages are in host memory: a copy into them is complete when it returns (no stream)."""
@@ -134,6 +148,25 @@ def _stacked(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
            for i, b in enumerate(blocks)):
         return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (len(blocks), *first.shape))
     return torch.stack(list(blocks))
+
+
+class PageSink(LayerSink):
+    """A read's layers straight into host pages as they land (see LayerSink): block
+    ``positions[k]`` of the read goes to page ``ids[positions[k]]``. ``on_layer(s)`` is told once
+    layer s of every block of the read is in its page, which holds only when the read laid every
+    block out layer by layer (otherwise some arrive later, inline, and are copied from the
+    blocks), so it is called only then."""
+
+    def __init__(self, paged: PagedKV, ids: Sequence[int], on_layer: Callable[[int], None] | None) -> None:
+        super().__init__(len(paged.views))
+        self._paged = paged
+        self._ids = list(ids)
+        self._on_layer = on_layer
+
+    def take(self, index: int, positions: tuple[int, ...], rows: torch.Tensor) -> None:
+        self._paged.load_layer(index, rows, [self._ids[p] for p in positions])
+        if self._on_layer is not None and positions == tuple(range(len(self._ids))):
+            self._on_layer(index)
 
 
 class LayerLoad:

@@ -59,8 +59,10 @@ from kvtier.rpc.wire import (
     meta_to_msg,
     pack_blocks,
 )
+from kvtier.store.layer_sink import LayerSink
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
+from storage_backends.layer_major import LayerMajorShare
 from storage_backends.shm_link import DataPlaneSession, SharedMemoryLink
 
 #: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause. A
@@ -299,12 +301,19 @@ class GrpcTier(Tier):
         assert len(outs) == len(keys)
         return self._read(keys, outs, pb.GET_MODE_EACH)
 
+    def get_layers(self, keys: Sequence[BlockKey], sink: LayerSink) -> list[Block | None]:
+        """``get`` over shared memory laid out layer by layer (``GetRequest.region_layers``):
+        ``sink`` takes each layer of the blocks placed there as soon as it lands (see
+        storage_backends.layer_major). Inline (no shared memory), the sink is never called."""
+        return self._read(keys, None, pb.GET_MODE_EACH, sink)
+
     def get_prefix(self, keys: Sequence[BlockKey]) -> list[Block]:
         """The longest cached prefix in one call (the daemon promotes hits toward its fast tiers)."""
         return [b for b in self._read(keys, None, pb.GET_MODE_PREFIX) if b is not None]
 
     def _read(
-        self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int
+        self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int,
+        sink: LayerSink | None = None,
     ) -> list[Block | None]:
         out: list[Block | None] = [None] * len(keys)
         if not keys:
@@ -319,12 +328,12 @@ class GrpcTier(Tier):
         # then stays taken until the call has ended and the last of those blocks is gone.
         lease = None if share is None else SliceLease(link.slices, share)
         try:
-            self._stream(keys, outs, mode, out, None if lease is None else (link, lease))
+            self._stream(keys, outs, mode, out, None if lease is None else (link, lease), sink)
         except RegionUnavailable:
             assert link is not None
             self._ch.session.lost(link)  # the daemon restarted: this read goes inline
             out = [None] * len(keys)
-            self._stream(keys, outs, mode, out, None)
+            self._stream(keys, outs, mode, out, None, None)
         finally:
             if lease is not None:
                 lease.drop()
@@ -338,9 +347,10 @@ class GrpcTier(Tier):
 
     def _stream(
         self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int, out: list[Block | None],
-        shm: tuple[SharedMemoryLink, SliceLease] | None,
+        shm: tuple[SharedMemoryLink, SliceLease] | None, sink: LayerSink | None = None,
     ) -> None:
-        """One Get call, its blocks placed into ``out``; failures the engine must survive are counted."""
+        """One Get call, its blocks placed into ``out``; failures the engine must survive are counted.
+        With ``sink`` and shared memory, the call is layer-major (see get_layers)."""
 
         def allocate(pos: int, meta: BlockMeta) -> torch.Tensor:
             if outs is not None:
@@ -349,6 +359,7 @@ class GrpcTier(Tier):
 
         request = pb.GetRequest(keys=list(keys), mode=mode)
         window = adopt = None
+        layered: LayerMajorShare | None = None
         used = [0]  # bytes of the share the daemon filled (from its start: it fills in order)
         if shm is not None:
             link, lease = shm
@@ -360,6 +371,9 @@ class GrpcTier(Tier):
             whole = link.region.window(share.offset, share.nbytes)
             lease.hold(whole)
             whole_t = torch.from_numpy(whole)
+            if sink is not None and outs is None:
+                request.region_layers = sink.layers
+                layered = LayerMajorShare(whole_t, share.offset, sink)
             del whole
 
             def adopt(src: np.ndarray, meta: BlockMeta) -> torch.Tensor:
@@ -370,6 +384,8 @@ class GrpcTier(Tier):
                 # The daemon may write only inside this call's share of the region.
                 if not (share.offset <= offset and offset + nbytes <= share.offset + share.nbytes):
                     raise InvalidRequest("daemon placed a block outside this call's share of the region")
+                if layered is not None:
+                    layered.check(offset, nbytes)
                 used[0] = max(used[0], offset + nbytes - share.offset)
                 return link.region.window(offset, nbytes)
 
@@ -381,8 +397,18 @@ class GrpcTier(Tier):
                            metadata=self._metadata(None if shm is None else shm[0]))
         try:
             for msg in stream:
+                if msg.layers_ready:
+                    if layered is None:
+                        raise InvalidRequest("layers_ready on a Get that is not layer-major")
+                    layered.ready(msg.layers_ready)
+                    continue
                 for pos, blk in asm.feed_message(msg):
-                    out[pos] = blk
+                    if layered is not None and layered.holds(blk):
+                        layered.placed(pos, blk)  # handed out once every layer has landed
+                    else:
+                        out[pos] = blk
+            if layered is not None and layered.incomplete:
+                raise InvalidRequest(f"the stream ended with {layered.incomplete} layer-major blocks incomplete")
             self._ch.session.moved("get", asm.region_bytes)
         except grpc.RpcError as exc:
             err = error_from(exc)
@@ -397,6 +423,9 @@ class GrpcTier(Tier):
             stream.cancel()
             self.metrics.error("corrupt")
         finally:
+            if layered is not None:
+                for pos, blk in layered.done():
+                    out[pos] = blk
             if shm is not None:
                 shm[1].trim(used[0])
 

@@ -52,6 +52,7 @@ from kvtier.security.gate import AccessGate
 from kvtier.security.keyring import KeyRing
 from kvtier.security.policy import Policy, Principal
 from kvtier.security.timing import TimingMitigations
+from kvtier.store.layer_sink import LayerSink
 from kvtier.store.lookup import Lookup
 from kvtier.store.tiered_store import TieredStore
 
@@ -191,8 +192,12 @@ class KVCache:
         n: int | None = None,
         *,
         lookup: Lookup | None = None,
+        sink: LayerSink | None = None,
     ) -> list[Block]:
         """The verified blocks of the longest cached prefix of ``chain[:n]``.
+
+        ``sink``: hand them over layer by layer as they land, where the store's tier can (see
+        LayerSink: check ``sink.complete(len(result))`` before relying on it).
 
         With ``lookup`` (what ``lookup(principal, chain...)`` returned) the blocks it found are
         read without probing the tiers again; it must describe a prefix of ``chain``. Asking for
@@ -211,7 +216,7 @@ class KVCache:
             if tuple(keys[: len(lookup.keys)]) != lookup.keys[:n] or not lookup.loadable:
                 raise ScopeError("load: the lookup handed back is not one of this chain")
             lk = gate.recheck(principal, lookup.slice(0, n) if lookup.length > n else lookup)
-        blocks = self.store.load(lk)
+        blocks = self.store.load(lk, sink=sink)
         gate.served(principal, len(blocks), n if lookup is None else lk.length)
         return blocks  # type: ignore[return-value]
 

@@ -87,7 +87,7 @@ def payload_view(block: Block) -> memoryview:
 # The bytes are exactly protobuf's (fields in number order, proto3 defaults omitted), so any
 # protobuf client or server interoperates; tests/unit/test_server_wire.py checks both directions.
 _T_POSITION, _T_META, _T_OFFSET, _T_DATA, _T_LAST, _T_CHECKSUM, _T_MORE = 0x08, 0x12, 0x18, 0x22, 0x28, 0x30, 0x3A
-_T_IN_REGION, _T_REGION_OFFSET = 0x40, 0x48
+_T_IN_REGION, _T_REGION_OFFSET, _T_LAYERS_READY = 0x40, 0x48, 0x50
 #: Upper bound of a chunk's encoded bytes besides its payload and meta (tags, varints, the ``more``
 #: entry that wraps it): what ``pack_blocks`` adds per chunk when it fills a message.
 FRAME_OVERHEAD = 64
@@ -108,6 +108,8 @@ class ChunkFrame:
     #: The payload lies at ``region_offset`` of the call's shared-memory region, not in ``data``.
     in_region: bool = False
     region_offset: int = 0
+    #: A layer-major Get's progress message: layers [0, layers_ready) are in the region.
+    layers_ready: int = 0
 
 
 def _varint(n: int) -> bytes:
@@ -143,9 +145,11 @@ def encode_frame(f: ChunkFrame | pb.BlockChunk | bytes) -> bytes:
 
 
 def _region_fields(f: ChunkFrame) -> bytes:
+    ready = bytes([_T_LAYERS_READY]) + _varint(f.layers_ready) if f.layers_ready else b""
     if not f.in_region:
-        return b""
-    return bytes([_T_IN_REGION, 1]) + (bytes([_T_REGION_OFFSET]) + _varint(f.region_offset) if f.region_offset else b"")
+        return ready
+    offset = bytes([_T_REGION_OFFSET]) + _varint(f.region_offset) if f.region_offset else b""
+    return bytes([_T_IN_REGION, 1]) + offset + ready
 
 
 def _frame_parts(f: ChunkFrame) -> tuple[list[bytes | bytearray | memoryview], int]:
@@ -209,6 +213,8 @@ def _decode(mv: memoryview, *, nested: bool) -> ChunkFrame:
                 f.in_region = bool(v)
             elif tag == _T_REGION_OFFSET:
                 f.region_offset = v
+            elif tag == _T_LAYERS_READY:
+                f.layers_ready = v & 0xFFFFFFFF
         elif wire == 2:
             n, i = _read_varint(mv, i)
             if i + n > len(mv):

@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
@@ -47,12 +46,10 @@ from kvtier.rpc.wire import (
     BlockAssembler,
     ChunkFrame,
     FrameSource,
-    WireFrame,
     check_domain,
     check_keys,
     decode_frame,
     encode_frame,
-    meta_to_msg,
     pack_items,
 )
 from kvtier.security.audit import check_sizes
@@ -62,13 +59,12 @@ from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
 from kvtier.server.region_table import RegionTable
+from kvtier.server.region_writer import RegionWriter
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 
 log = logging.getLogger("kvtier.server")
 
-#: Payload bytes placed in a client's region per Get message (see ``KvCacheService._send``).
-REGION_MESSAGE_BYTES = 4 << 20
 
 @dataclass(slots=True, frozen=True)
 class PurgeOutcome:
@@ -179,58 +175,6 @@ REVOKE_RULES: dict[int, RevokeRule] = {
 }
 
 
-class RegionWriter:
-    """Where a Get puts payloads in the caller's region: the request's window, filled in order,
-    and the chunks that describe them, sent a message per ``REGION_MESSAGE_BYTES`` of payload.
-
-    Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
-    (checked once, here); each block is written whole or not at all; chunks leave in the order
-    their blocks were placed. One per Get stream, used by its thread only.
-    """
-
-    __slots__ = ("_cursor", "_end", "_pending", "_pending_bytes", "_region")
-
-    def __init__(self, region: SharedRegion, offset: int, nbytes: int) -> None:
-        region.window(offset, nbytes)  # InvalidRequest unless the window lies in the region
-        self._region = region
-        self._cursor = offset
-        self._end = offset + nbytes
-        self._pending: list[ChunkFrame] = []
-        self._pending_bytes = 0
-
-    def place(self, position: int, item: Readable) -> bool:
-        """Copy ``item``'s payload to the next free bytes and queue its chunk; False when it does not fit."""
-        n = item.nbytes
-        if self._cursor + n > self._end:
-            return False
-        if isinstance(item, WireFrame):
-            payload, checksum = item.payload(), item.checksum
-        else:
-            assert isinstance(item, Block)
-            payload, checksum = item.as_bytes_view(), 0  # the client verifies no region block
-        np.copyto(self._region.window(self._cursor, n), np.frombuffer(payload, dtype=np.uint8))
-        self._pending.append(ChunkFrame(position, meta_to_msg(item.meta), 0, b"", True, checksum, in_region=True,
-                                        region_offset=self._cursor))
-        self._pending_bytes += n
-        self._cursor += n
-        return True
-
-    @property
-    def full(self) -> bool:
-        """Enough placed for one message: the client copies its blocks out while the next ones
-        are copied in (on two cores the copies overlap instead of adding up)."""
-        return self._pending_bytes >= REGION_MESSAGE_BYTES
-
-    def take(self) -> ChunkFrame | None:
-        """The message describing every block placed since the last one (None: nothing placed)."""
-        if not self._pending:
-            return None
-        head, *rest = self._pending
-        head.more = rest
-        self._pending, self._pending_bytes = [], 0
-        return head
-
-
 class KvCacheService(pb_grpc.KvCacheServicer):
     """Serves one TieredStore to many authenticated clients.
 
@@ -268,15 +212,15 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             raise InvalidRequest(f"unknown get mode {request.mode}")
         sent = [0]  # blocks streamed; a stream that ends early (however) counts as a miss
         with self._region(call) as region:
-            out = None if region is None else RegionWriter(region, request.region_offset, request.region_bytes)
+            # Without a region there is nothing to lay out: region_layers then changes nothing.
+            out = None if region is None else RegionWriter(region, request.region_offset, request.region_bytes,
+                                                           request.region_layers)
             try:
                 if request.mode == pb.GET_MODE_EACH:
                     self.gate.admit(p)
                     yield from self._get_each(keys, call, sent, out)
                 else:
                     yield from self._get_prefix(keys, call, sent, out)
-                if out is not None:
-                    yield from self._flush(out)
             finally:
                 self.gate.served(p, sent[0], len(keys))
 
@@ -295,7 +239,9 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 yield from self._send(call, [(a + i, x) for i, x in enumerate(got)], out)
                 sent[0] += len(got)
                 if len(got) < b - a:
-                    return  # a block vanished or failed verification: the prefix ends here
+                    break  # a block vanished or failed verification: the prefix ends here
+            if out is not None:  # while the blocks are pinned: a layer-major region copies them now
+                yield from self._flush(out)
 
     def _get_each(
         self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
@@ -310,6 +256,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 items = [(i, x) for i, x in zip(pos, got, strict=True) if x is not None]
                 yield from self._send(call, items, out)
                 sent[0] += len(items)
+            if out is not None:  # while the blocks are pinned: a layer-major region copies them now
+                yield from self._flush(out)
 
     def _send(
         self, call: Call, items: Sequence[tuple[int, Readable]], out: RegionWriter | None = None
@@ -331,9 +279,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     @staticmethod
     def _flush(out: RegionWriter) -> Iterator[ChunkFrame]:
-        msg = out.take()
-        if msg is not None:
-            yield msg
+        yield from out.drain()
 
     def _send_inline(self, call: Call, items: Sequence[tuple[int, Readable]]) -> Iterator[ChunkFrame | bytes]:
         lease = call.lease

@@ -13,6 +13,7 @@ import torch
 from kvtier.block import Block
 from kvtier.errors import LayoutMismatch
 from kvtier.keys import BlockKey, ScopeDomain
+from kvtier.store.layer_sink import LayerSink
 from kvtier.store.metrics import TierMetrics
 from kvtier.store.pin_table import PinTable
 
@@ -139,6 +140,11 @@ class Tier(ABC):
 
     @abstractmethod
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]: ...
+
+    def get_layers(self, keys: Sequence[BlockKey], sink: LayerSink) -> list[Block | None]:
+        """``get``, handing the blocks to ``sink`` layer by layer as they land, where the tier can
+        (see LayerSink). This tier cannot: ``sink`` is never called."""
+        return self.get(keys)
 
     def get_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[Block | None]:
         """Like get(), but payloads land in caller-owned tensors (the engine's pages, a pinned

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import CorruptRecord, LayoutMismatch, TierUnavailable
 from kvtier.keys import BlockKey, ScopeDomain, key_domain
+from kvtier.store.layer_sink import LayerSink
 from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.metrics import RequestMetrics
 from kvtier.store.pin_table import PinTable
@@ -169,13 +170,15 @@ class TieredStore:
         """``load(lookup(keys))``: the verified blocks of the longest cached prefix of ``keys``."""
         return self.load(self.lookup(keys))  # type: ignore[return-value]
 
-    def load(self, lookup: Lookup, *, first: FirstTierReader | None = None) -> list[Readable]:
+    def load(self, lookup: Lookup, *, first: FirstTierReader | None = None,
+             sink: LayerSink | None = None) -> list[Readable]:
         """Read what ``lookup`` found, run by run, and promote hits from lower tiers into tier 0.
 
         Each returned item is checked to be the key asked for, in that key's own scope domain; a
         block that vanished or failed verification since the lookup shortens the result (the
         prefix ends there). ``first`` reads tier 0 in the caller's own form (see Readable);
-        without it, every item is a Block.
+        without it, every item is a Block. ``sink`` is offered the first run's blocks layer by
+        layer (see LayerSink; whoever passes it checks ``sink.complete`` afterwards).
         """
         assert lookup.loadable, "a lookup built without its keys cannot be loaded"
         keys = lookup.keys
@@ -183,10 +186,11 @@ class TieredStore:
         with self.pins.hold(list(keys)):
             for run in lookup.runs:
                 want = keys[run.start : run.start + run.count]
+                offer = sink if run.start == 0 else None
                 if run.level == 0:
-                    got, promote = self._read_first(want, first)
+                    got, promote = self._read_first(want, first, offer)
                 else:
-                    got = self._read(run.level, want, first)
+                    got = self._read(run.level, want, first, offer)
                     promote = [b for b in got if isinstance(b, Block)]
                 for i, item in enumerate(got):
                     if not _is(item, want[i]):
@@ -252,12 +256,12 @@ class TieredStore:
         return n
 
     def _read_first(
-        self, keys: Sequence[BlockKey], first: FirstTierReader | None
+        self, keys: Sequence[BlockKey], first: FirstTierReader | None, sink: LayerSink | None = None
     ) -> tuple[list[Readable | None], list[Block]]:
         """Tier 0's part of a lookup: from tier 0, else from the spill queue, else from below (a
         block the lookup saw queued may have landed in tier 1 since: the queue lets go of a block
         only once the tier below holds it). Returns the items and the blocks to promote."""
-        got = list(self._read(0, keys, first))
+        got = list(self._read(0, keys, first, sink))
         if self.spills is None:
             return got, []
         gone = [i for i, g in enumerate(got) if g is None]
@@ -274,9 +278,15 @@ class TieredStore:
                 got[i] = item  # promoted by _each
         return got, promote
 
-    def _read(self, level: int, keys: Sequence[BlockKey], first: FirstTierReader | None) -> Sequence[Readable | None]:
+    def _read(self, level: int, keys: Sequence[BlockKey], first: FirstTierReader | None,
+              sink: LayerSink | None = None) -> Sequence[Readable | None]:
         t0 = time.perf_counter()
-        got = first(keys) if level == 0 and first is not None else self.tiers[level].get(keys)
+        if level == 0 and first is not None:
+            got: Sequence[Readable | None] = first(keys)
+        elif sink is not None:
+            got = self.tiers[level].get_layers(keys, sink)
+        else:
+            got = self.tiers[level].get(keys)
         # Only complete reads calibrate: a partial miss says nothing about the tier's speed.
         if self.observer is not None and got and all(b is not None for b in got):
             nbytes = sum(b.nbytes for b in got if b is not None)

@@ -1,0 +1,116 @@
+"""RegionWriter: where a Get puts payloads in the caller's shared-memory region (block by block,
+or layer by layer), and the chunks that describe them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvtier.block import Block
+from kvtier.dataplane.region import SharedRegion
+from kvtier.errors import InvalidRequest
+from kvtier.rpc.wire import ChunkFrame, WireFrame, meta_to_msg
+from kvtier.store.tiered_store import Readable
+
+#: Payload bytes placed in a client's region per Get message (block-major; see ``RegionWriter.full``).
+REGION_MESSAGE_BYTES = 4 << 20
+#: The most layers a layer-major Get may ask for (``GetRequest.region_layers``).
+MAX_REGION_LAYERS = 4096
+
+
+class RegionWriter:
+    """Where a Get puts payloads in the caller's region: the request's window, filled in order,
+    block after block, and the chunks that describe them.
+
+    Block by block (``layers`` 0): each block is copied as it is placed, and a message describes
+    the blocks placed per ``REGION_MESSAGE_BYTES`` of payload. Layer by layer (``layers`` L > 0,
+    ``GetRequest.region_layers``): blocks shaped ``[L, ...]`` of one size are only given their
+    place; ``drain`` sends their chunks first, then copies layer 0 of every one of them (its first
+    1/L), then layer 1, ..., each layer followed by a message ``layers_ready = s + 1``, so the
+    client can use layer s while later layers are copied. Blocks of another shape or size than
+    the first are refused (they travel inline), as is everything after ``drain``.
+
+    Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
+    (checked once, here); chunks leave in the order their blocks were placed, and a client takes
+    a block only once it is whole. The caller keeps the placed items pinned until ``drain`` has
+    run. One per Get stream, used by its thread only.
+    """
+
+    __slots__ = ("_block", "_cursor", "_drained", "_end", "_items", "_layers", "_pending", "_pending_bytes",
+                 "_region")
+
+    def __init__(self, region: SharedRegion, offset: int, nbytes: int, layers: int = 0) -> None:
+        region.window(offset, nbytes)  # InvalidRequest unless the window lies in the region
+        if not 0 <= layers <= MAX_REGION_LAYERS:
+            raise InvalidRequest(f"region_layers must be 0..{MAX_REGION_LAYERS}, got {layers}")
+        self._region = region
+        self._cursor = offset
+        self._end = offset + nbytes
+        self._layers = layers
+        self._block = 0  # layer by layer: the bytes of every block placed (the first one's)
+        self._items: list[tuple[int, Readable]] = []  # layer by layer: (offset, item), to copy in drain
+        self._drained = False
+        self._pending: list[ChunkFrame] = []
+        self._pending_bytes = 0
+
+    def place(self, position: int, item: Readable) -> bool:
+        """Give ``item``'s payload the next free bytes and queue its chunk; False when it does not fit."""
+        n = item.nbytes
+        if self._cursor + n > self._end:
+            return False
+        payload, checksum = _payload(item)
+        if self._layers:
+            shape = item.meta.shape
+            if self._drained or not shape or shape[0] != self._layers or n % self._layers or n != (self._block or n):
+                return False
+            self._block = n
+            self._items.append((self._cursor, item))  # copied by drain, layer by layer
+        else:
+            np.copyto(self._region.window(self._cursor, n), np.frombuffer(payload, dtype=np.uint8))
+        self._pending.append(ChunkFrame(position, meta_to_msg(item.meta), 0, b"", True, checksum, in_region=True,
+                                        region_offset=self._cursor))
+        self._pending_bytes += n
+        self._cursor += n
+        return True
+
+    @property
+    def full(self) -> bool:
+        """Block by block: enough placed for one message, so the client copies its blocks out
+        while the next ones are copied in (on two cores the copies overlap instead of adding up).
+        Layer by layer, every block leaves from ``drain``."""
+        return not self._layers and self._pending_bytes >= REGION_MESSAGE_BYTES
+
+    def drain(self) -> Iterator[ChunkFrame]:
+        """The message describing what was placed since the last drain; layer by layer, then the
+        copies, each layer followed by its ``layers_ready`` message."""
+        if self._pending:
+            head, *rest = self._pending
+            head.more = rest
+            self._pending, self._pending_bytes = [], 0
+            yield head
+        if not self._layers or self._drained:
+            return
+        self._drained = True
+        items, self._items = self._items, []
+        if not items:
+            return
+        strip = self._block // self._layers
+        payloads = [(offset, np.frombuffer(_payload(item)[0], dtype=np.uint8)) for offset, item in items]
+        for layer in range(self._layers):
+            lo = layer * strip
+            for offset, payload in payloads:
+                np.copyto(self._region.window(offset + lo, strip), payload[lo : lo + strip])
+            yield ChunkFrame(0, None, 0, b"", False, 0, layers_ready=layer + 1)
+
+
+def _payload(item: Readable) -> tuple[memoryview | bytes, int]:
+    """An item's payload bytes and the checksum a chunk carries for it (0: the client verifies
+    no region block; a frame's is already known)."""
+    if isinstance(item, WireFrame):
+        return item.payload(), item.checksum
+    assert isinstance(item, Block)
+    return item.as_bytes_view(), 0
+
+
+__all__ = ["MAX_REGION_LAYERS", "REGION_MESSAGE_BYTES", "RegionWriter"]
