@@ -150,6 +150,9 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     assert res[4]["num_cached_tokens"] == 0 and res[5]["num_cached_tokens"] == 0  # (d)
     sched, worker = connector_counters(st, "scheduler"), connector_counters(st, "worker")
     assert sched["load_tokens"] == 2 * full and worker["loaded_blocks"] == 2 * full // BT
+    # Through the daemon's shared memory, layer by layer into the pages (the tokens above are
+    # identical with the forward pass starting on layer 0 while later layers were still landing).
+    assert worker["loaded_by_layer"] == 2 * full // BT
     assert sched["salt_rejected"] >= 1, "the forged salt is refused (by the daemon) and counted"
     assert worker["load_failed_blocks"] == 0 and worker["saved_blocks"] >= full // BT
 
