@@ -404,19 +404,22 @@ class TransferEngine:
                          dst_layers: Sequence[torch.Tensor], ids: np.ndarray) -> Callable[[int], Completion]:
         """``load_layers``' per-layer copy when the pages are in host memory: straight from the
         source rows into the pages, one copy per byte. Staging exists for pinned DMA to a device;
-        on the host it would only add a second pass over every byte."""
+        on the host it would only add a second pass over every byte. The copy is numpy's, one
+        thread: a torch copy made from a loader thread would start an OpenMP team of its own,
+        whose spinning competes for the cores with the engine's forward pass."""
         n = len(ids)
         run = _run_start(ids)
-        dst_ids = None if run is not None else torch.from_numpy(ids)
 
         def submit(layer: int) -> Completion:
             if n == 0 or by_layer is None:
                 return DONE
-            src, rows = by_layer[:, layer, :], layers[layer]
-            dst = rows[run : run + n] if run is not None else rows
+            src, rows = by_layer[:, layer, :].numpy(), layers[layer].numpy()
 
             def work(_scratch: torch.Tensor | None) -> None:
-                self.copier.copy(src, None, dst, dst_ids, n)
+                if run is not None:
+                    np.copyto(rows[run : run + n], src)
+                else:
+                    rows[ids] = src
 
             return self._submit(H2D, work, (), False, borrowed=(dst_layers[layer],))
 
