@@ -29,7 +29,8 @@ JSON: ``ttft_cold_ms``, ``ttft_warm_ms``, ``speedup``, ``token_hit_rate``, ``ide
 ``ttft_local_hit_ms``, ``warm_vs_local_hit``, ``ttft_warm_same_prompt_ms`` (a warm prompt sent
 again to the kvtier server once its blocks are saved: every full block from kvtier, like for like
 with the local hit; ``same_prompt_hit_tokens`` of ``same_prompt_full_block_tokens`` say whether it
-was), ``warm_same_prompt_vs_local_hit``, the per-request rows and (``--serve-bench``)
+was), ``warm_same_prompt_vs_local_hit``, the per-request rows of both servers (``requests``,
+``baseline_requests``, paired in order) and (``--serve-bench``)
 ``serve_bench``: per concurrency and server, ``vllm bench serve``'s TTFT mean/median/p99 (ms),
 request throughput and, on the kvtier server, the hit tokens.
 """
@@ -371,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
         "ttft_local_doc_hit_ms": round(doc_ms, 1), "warm_vs_local_doc_hit": round(warm_ms / doc_ms, 2),
         "connector": sched,
         "requests": [{k: v for k, v in x.items() if k != "text"} for x in rows],
+        # The server without kvtier, the same prompts in the same order (each paired with the row above).
+        "baseline_requests": [{k: v for k, v in x.items() if k != "text"} for x in refs],
     }
     print(f"vLLM (vllm serve, CPU) {MODEL['layers']}x{MODEL['hidden']} Llama, {args.doc_tokens}-token document, "
           f"{args.question_tokens}-token questions, {rounds} rounds")
