@@ -350,7 +350,7 @@ class GrpcTier(Tier):
         shm: tuple[SharedMemoryLink, SliceLease] | None, sink: LayerSink | None = None,
     ) -> None:
         """One Get call, its blocks placed into ``out``; failures the engine must survive are counted.
-        With ``sink`` and shared memory, the call is layer-major (see get_layers)."""
+        With ``sink`` and shared memory, the call is laid out layer by layer (see get_layers)."""
 
         def allocate(pos: int, meta: BlockMeta) -> torch.Tensor:
             if outs is not None:
@@ -399,7 +399,7 @@ class GrpcTier(Tier):
             for msg in stream:
                 if msg.layers_ready:
                     if layered is None:
-                        raise InvalidRequest("layers_ready on a Get that is not layer-major")
+                        raise InvalidRequest("layers_ready on a Get that is not laid out by layers")
                     layered.ready(msg.layers_ready)
                     continue
                 for pos, blk in asm.feed_message(msg):
@@ -408,7 +408,7 @@ class GrpcTier(Tier):
                     else:
                         out[pos] = blk
             if layered is not None and layered.incomplete:
-                raise InvalidRequest(f"the stream ended with {layered.incomplete} layer-major blocks incomplete")
+                raise InvalidRequest(f"the stream ended with {layered.incomplete} blocks laid out by layers incomplete")
             self._ch.session.moved("get", asm.region_bytes)
         except grpc.RpcError as exc:
             err = error_from(exc)
@@ -422,6 +422,9 @@ class GrpcTier(Tier):
             # open block is dropped, blocks already verified are kept.
             stream.cancel()
             self.metrics.error("corrupt")
+        except BaseException:  # the caller's sink failed (a bug): end the call, then surface it
+            stream.cancel()
+            raise
         finally:
             if layered is not None:
                 for pos, blk in layered.done():

@@ -108,7 +108,7 @@ class ChunkFrame:
     #: The payload lies at ``region_offset`` of the call's shared-memory region, not in ``data``.
     in_region: bool = False
     region_offset: int = 0
-    #: A layer-major Get's progress message: layers [0, layers_ready) are in the region.
+    #: A Get laid out by layers: this progress message says layers [0, layers_ready) are in the region.
     layers_ready: int = 0
 
 

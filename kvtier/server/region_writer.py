@@ -15,7 +15,7 @@ from kvtier.store.tiered_store import Readable
 
 #: Payload bytes placed in a client's region per Get message (block-major; see ``RegionWriter.full``).
 REGION_MESSAGE_BYTES = 4 << 20
-#: The most layers a layer-major Get may ask for (``GetRequest.region_layers``).
+#: The most layers a Get laid out by layers may ask for (``GetRequest.region_layers``).
 MAX_REGION_LAYERS = 4096
 
 

@@ -240,7 +240,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 sent[0] += len(got)
                 if len(got) < b - a:
                     break  # a block vanished or failed verification: the prefix ends here
-            if out is not None:  # while the blocks are pinned: a layer-major region copies them now
+            if out is not None:  # while the blocks are pinned: a Get laid out by layers copies them now
                 yield from self._flush(out)
 
     def _get_each(
@@ -256,7 +256,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 items = [(i, x) for i, x in zip(pos, got, strict=True) if x is not None]
                 yield from self._send(call, items, out)
                 sent[0] += len(items)
-            if out is not None:  # while the blocks are pinned: a layer-major region copies them now
+            if out is not None:  # while the blocks are pinned: a Get laid out by layers copies them now
                 yield from self._flush(out)
 
     def _send(

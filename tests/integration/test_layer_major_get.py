@@ -132,6 +132,24 @@ def test_too_many_layers_is_refused_and_nothing_is_read(deployment) -> None:
     assert got[0] is not None and got[0].equal_bytes(blocks[0])
 
 
+def test_a_sink_that_fails_ends_the_call_and_the_tier_goes_on(deployment) -> None:
+    dep, daemon = deployment
+    tier = _tier(dep, daemon, data_plane="shm")
+    blocks = _stored(tier, 4)
+
+    class Broken(Recording):
+        def take(self, index: int, positions: tuple[int, ...], rows: torch.Tensor) -> None:
+            if index == 1:
+                raise RuntimeError("the consumer broke")
+            super().take(index, positions, rows)
+
+    with pytest.raises(RuntimeError, match="the consumer broke"):
+        tier.get_layers([b.key for b in blocks], Broken(LAY.num_layers))
+    sink = Recording(LAY.num_layers)
+    got = tier.get_layers([b.key for b in blocks], sink)
+    assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True)) and sink.complete(4)
+
+
 # -- the client's rules, driven directly -------------------------------------------------------------
 def _share(layers: int = 4, block: int = 256, slots: int = 4) -> tuple[torch.Tensor, Recording, LayerMajorShare]:
     share = torch.arange(slots * block, dtype=torch.int64).to(torch.uint8)
