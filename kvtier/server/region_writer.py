@@ -23,13 +23,14 @@ class RegionWriter:
     """Where a Get puts payloads in the caller's region: the request's window, filled in order,
     block after block, and the chunks that describe them.
 
-    Block by block (``layers`` 0): each block is copied as it is placed, and a message describes
-    the blocks placed per ``REGION_MESSAGE_BYTES`` of payload. Layer by layer (``layers`` L > 0,
-    ``GetRequest.region_layers``): blocks shaped ``[L, ...]`` of one size are only given their
-    place; ``drain`` sends their chunks first, then copies layer 0 of every one of them (its first
-    1/L), then layer 1, ..., each layer followed by a message ``layers_ready = s + 1``, so the
-    client can use layer s while later layers are copied. Blocks of another shape or size than
-    the first are refused (they travel inline), as is everything after ``drain``.
+    A message (``take``) describes the blocks placed per ``REGION_MESSAGE_BYTES`` of payload.
+    Block by block (``layers`` 0): each block is copied as it is placed. Layer by layer
+    (``layers`` L > 0, ``GetRequest.region_layers``): blocks shaped ``[L, ...]`` of one size are
+    only given their place, and their chunks sent; ``drain``, at the end, copies layer 0 of every
+    one of them (its first 1/L), then layer 1, ..., each layer followed by a message
+    ``layers_ready = s + 1``, so the client can use layer s while later layers are copied. Blocks
+    of another shape or size than the first are refused (they travel inline), as is everything
+    after ``drain``.
 
     Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
     (checked once, here); chunks leave in the order their blocks were placed, and a client takes
@@ -76,19 +77,23 @@ class RegionWriter:
 
     @property
     def full(self) -> bool:
-        """Block by block: enough placed for one message, so the client copies its blocks out
-        while the next ones are copied in (on two cores the copies overlap instead of adding up).
-        Layer by layer, every block leaves from ``drain``."""
-        return not self._layers and self._pending_bytes >= REGION_MESSAGE_BYTES
+        """Enough placed for one message: block by block, the client copies those blocks out
+        while the next ones are copied in; layer by layer, it checks their metadata while the next
+        ones are placed (on two cores the work overlaps instead of adding up)."""
+        return self._pending_bytes >= REGION_MESSAGE_BYTES
 
-    def drain(self) -> Iterator[ChunkFrame]:
-        """The message describing what was placed since the last drain; layer by layer, then the
-        copies, each layer followed by its ``layers_ready`` message."""
+    def take(self) -> Iterator[ChunkFrame]:
+        """The message describing what was placed since the last one (nothing when nothing was)."""
         if self._pending:
             head, *rest = self._pending
             head.more = rest
             self._pending, self._pending_bytes = [], 0
             yield head
+
+    def drain(self) -> Iterator[ChunkFrame]:
+        """The last message; layer by layer, then the copies of every block placed, each layer
+        followed by its ``layers_ready`` message. Nothing is placed after it."""
+        yield from self.take()
         if not self._layers or self._drained:
             return
         self._drained = True

@@ -241,7 +241,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 if len(got) < b - a:
                     break  # a block vanished or failed verification: the prefix ends here
             if out is not None:  # while the blocks are pinned: a Get laid out by layers copies them now
-                yield from self._flush(out)
+                yield from out.drain()
 
     def _get_each(
         self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
@@ -257,13 +257,13 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 yield from self._send(call, items, out)
                 sent[0] += len(items)
             if out is not None:  # while the blocks are pinned: a Get laid out by layers copies them now
-                yield from self._flush(out)
+                yield from out.drain()
 
     def _send(
         self, call: Call, items: Sequence[tuple[int, Readable]], out: RegionWriter | None = None
     ) -> Iterator[ChunkFrame | bytes]:
         """Stream ``items`` in order: into the call's region while they fit (described a message
-        per few MiB, the last by ``_flush``), each one that does not fit inline."""
+        per few MiB, the last by ``drain``), each one that does not fit inline."""
         if out is None:
             yield from self._send_inline(call, items)
             return
@@ -272,14 +272,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         for pos, item in items:
             if out.place(pos, item):
                 if out.full:
-                    yield from self._flush(out)
+                    yield from out.take()
                 continue
-            yield from self._flush(out)  # order: what was placed before goes first
+            yield from out.take()  # order: what was placed before goes first
             yield from self._send_inline(call, [(pos, item)])
-
-    @staticmethod
-    def _flush(out: RegionWriter) -> Iterator[ChunkFrame]:
-        yield from out.drain()
 
     def _send_inline(self, call: Call, items: Sequence[tuple[int, Readable]]) -> Iterator[ChunkFrame | bytes]:
         lease = call.lease
