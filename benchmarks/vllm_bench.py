@@ -29,7 +29,8 @@ JSON: ``ttft_cold_ms``, ``ttft_warm_ms``, ``speedup``, ``token_hit_rate``, ``ide
 ``ttft_local_hit_ms``, ``warm_vs_local_hit``, ``ttft_warm_same_prompt_ms`` (a warm prompt sent
 again to the kvtier server once its blocks are saved: every full block from kvtier, like for like
 with the local hit; ``same_prompt_hit_tokens`` of ``same_prompt_full_block_tokens`` say whether it
-was), ``warm_same_prompt_vs_local_hit``, the per-request rows of both servers (``requests``,
+was), ``warm_same_prompt_vs_local_hit`` (of the medians) and ``_paired`` (the median of the
+ratios of requests sent one after the other), the per-request rows of both servers (``requests``,
 ``baseline_requests``, paired in order) and (``--serve-bench``)
 ``serve_bench``: per concurrency and server, ``vllm bench serve``'s TTFT mean/median/p99 (ms),
 request throughput and, on the kvtier server, the hit tokens.
@@ -356,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
     warm_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "warm")
     same_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "warm_same")
     local_ms = statistics.median(local_hits)
+    same_rows = [x["ttft_ms"] for x in rows if x["phase"] == "warm_same"]
+    paired = statistics.median([a / b for a, b in zip(same_rows, local_hits, strict=True)])
     doc_ms = statistics.median(doc_hits)
     result = {
         "benchmark": "vllm", "model": {**MODEL, "id": MODEL_ID}, "doc_tokens": args.doc_tokens,
@@ -366,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
         "warm_vs_local_hit": round(warm_ms / local_ms, 2),
         # Like for like with vLLM's local hit: the same prompt again, its full blocks from kvtier.
         "ttft_warm_same_prompt_ms": round(same_ms, 1), "warm_same_prompt_vs_local_hit": round(same_ms / local_ms, 2),
+        # The same, pair by pair (each kvtier request against the baseline request next to it), median.
+        "warm_same_prompt_vs_local_hit_paired": round(paired, 2),
         # Tokens of those requests kvtier served, of their full blocks (like for like only when equal).
         "same_prompt_hit_tokens": same_hits, "same_prompt_full_block_tokens": same_full,
         # The same work as kvtier's warm request: the document cached, a new question computed.
@@ -381,8 +386,8 @@ def run(args: argparse.Namespace) -> int:
           f"speedup {cold_ms / warm_ms:.2f}x")
     print(f"  vLLM's own prefix cache: same prompt {local_ms:.0f} ms (warm / that {warm_ms / local_ms:.2f}x), "
           f"same document + new question {doc_ms:.0f} ms (warm / that {warm_ms / doc_ms:.2f}x)")
-    print(f"  the same prompt again through kvtier {same_ms:.0f} ms ({same_ms / local_ms:.2f}x vLLM's own local hit; "
-          f"{same_hits} of its {same_full} full-block tokens from kvtier)")
+    print(f"  the same prompt again through kvtier {same_ms:.0f} ms ({same_ms / local_ms:.2f}x vLLM's own local hit, "
+          f"{paired:.2f}x pair by pair; {same_hits} of its {same_full} full-block tokens from kvtier)")
     print(f"  token hit rate {result['token_hit_rate']}   identical outputs {identical}")
     valid = True
     if serve:
