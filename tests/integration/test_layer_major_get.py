@@ -41,6 +41,14 @@ def layer_bytes(block: Block, layer: int) -> torch.Tensor:
     return block.data.contiguous().view(block.data.shape[0], -1)[layer].view(torch.uint8)
 
 
+def assert_rows_are_layers(sink: Recording, blocks: list[Block | None]) -> None:
+    """Every row the sink was given is that layer of the block at its position in the read."""
+    for index, positions, rows in sink.got:
+        for k, p in enumerate(positions):
+            block = blocks[p]
+            assert block is not None and torch.equal(rows[k], layer_bytes(block, index)), f"layer {index} of {p}"
+
+
 @pytest.fixture
 def deployment(tmp_path):
     dep = LocalDeployment(tmp_path / "d", server_secret=SECRET)
@@ -68,10 +76,8 @@ def test_every_layer_reaches_the_sink_in_order_and_the_blocks_are_exact(deployme
     got = tier.get_layers([b.key for b in blocks], sink)
     assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
     assert [i for i, _, _ in sink.got] == [0, 1, 2, 3]
-    for index, positions, rows in sink.got:
-        assert positions == tuple(range(12)) and rows.shape == (12, blocks[0].nbytes // LAY.num_layers)
-        for k, b in enumerate(blocks):
-            assert torch.equal(rows[k], layer_bytes(b, index)), f"layer {index} of block {k}"
+    assert all(p == tuple(range(12)) and r.shape == (12, blocks[0].nbytes // LAY.num_layers) for _, p, r in sink.got)
+    assert_rows_are_layers(sink, blocks)
     assert sink.complete(12) and not sink.complete(11)
     assert tier.session.moved_bytes["get"] == sum(b.nbytes for b in blocks)
     tier.close()
@@ -87,8 +93,7 @@ def test_blocks_past_the_share_come_inline_and_the_sink_hears_only_of_the_rest(d
     placed = sink.got[0][1]
     assert 0 < len(placed) < 32 and placed == tuple(range(len(placed)))
     assert [i for i, _, _ in sink.got] == [0, 1, 2, 3] and not sink.complete(32)
-    for index, positions, rows in sink.got:
-        assert all(torch.equal(rows[k], layer_bytes(blocks[p], index)) for k, p in enumerate(positions))
+    assert_rows_are_layers(sink, blocks)
 
 
 def test_a_miss_leaves_a_hole_and_the_sink_is_not_complete(deployment) -> None:
@@ -101,8 +106,7 @@ def test_a_miss_leaves_a_hole_and_the_sink_is_not_complete(deployment) -> None:
     got = tier.get_layers(keys, sink)
     assert got[2] is None and all(g is not None for i, g in enumerate(got) if i != 2)
     assert sink.got[0][1] == (0, 1, 3, 4, 5) and not sink.complete(len([g for g in got if g]))
-    for index, positions, rows in sink.got:
-        assert all(torch.equal(rows[k], layer_bytes(got[p], index)) for k, p in enumerate(positions))
+    assert_rows_are_layers(sink, got)
 
 
 def test_other_shapes_and_the_inline_path_never_call_the_sink(deployment) -> None:
