@@ -15,6 +15,7 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.keys import BlockKey
+from kvtier.rpc.framed_block import FramedBlock
 from kvtier.rpc.wire import WireFrame, wire_frame
 from storage_backends.memory import MemoryTier, copy_from_bytes, slab_dtype
 
@@ -38,6 +39,8 @@ class FrameMemoryTier(MemoryTier):
 
     # -- how a payload is held --------------------------------------------------------------------
     def _keep(self, block: Block) -> WireFrame:
+        if isinstance(block, FramedBlock):
+            return block.frame  # framed on arrival (the daemon's Put): kept without another copy
         if block.data.device.type != "cpu":
             block = Block(block.meta, block.data.cpu())
         return wire_frame(block)

@@ -48,6 +48,7 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.checksum import copy_hashed
 from kvtier.rpc.names import AUTH_METADATA, DURABLE_METADATA, REGION_METADATA, SALT_METADATA, SERVICE_NAME
 from kvtier.rpc.status import error_from
 from kvtier.rpc.wire import (
@@ -493,9 +494,12 @@ class GrpcTier(Tier):
             if cursor + n > end:
                 yield from self._chunks([b])
                 continue
-            dst = link.tensor[cursor : cursor + n]
-            dst.copy_(b.data.reshape(-1).view(torch.uint8))  # on CUDA: one DMA into pinned memory
-            checksum = xxhash.xxh3_64_intdigest(memoryview(link.region.window(cursor, n)))
+            window = link.region.window(cursor, n)
+            if b.data.device.type == "cpu":
+                checksum = copy_hashed(window, b.data.reshape(-1).view(torch.uint8).numpy())
+            else:
+                link.tensor[cursor : cursor + n].copy_(b.data.reshape(-1).view(torch.uint8))  # one DMA to pinned memory
+                checksum = xxhash.xxh3_64_intdigest(memoryview(window))
             run.append(ChunkFrame(i, meta_to_msg(b.meta), 0, b"", True, checksum, in_region=True,
                                   region_offset=cursor))
             cursor += n

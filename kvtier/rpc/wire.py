@@ -315,10 +315,16 @@ def wire_frame(block: Block) -> WireFrame:
     when the block carries the checksum it was verified with on arrival)."""
     mv = payload_view(block)
     checksum = block.checksum if block.checksum is not None else xxhash.xxh3_64_intdigest(mv)
-    meta = meta_to_msg(block.meta).SerializeToString()
-    head = bytes([_T_META]) + _varint(len(meta)) + meta + bytes([_T_DATA]) + _varint(len(mv))
-    tail = bytes([_T_LAST, 1]) + (bytes([_T_CHECKSUM]) + _varint(checksum) if checksum else b"")
+    head, tail = frame_ends(block.meta, checksum)
     return WireFrame(block.meta, b"".join((head, mv, tail)), len(head), checksum)
+
+
+def frame_ends(meta: BlockMeta, checksum: int) -> tuple[bytes, bytes]:
+    """The bytes of a WireFrame before and after its payload."""
+    msg = meta_to_msg(meta).SerializeToString()
+    head = bytes([_T_META]) + _varint(len(msg)) + msg + bytes([_T_DATA]) + _varint(meta.nbytes)
+    tail = bytes([_T_LAST, 1]) + (bytes([_T_CHECKSUM]) + _varint(checksum) if checksum else b"")
+    return head, tail
 
 
 @runtime_checkable
@@ -427,6 +433,8 @@ Allocate = Callable[[int, BlockMeta], torch.Tensor]
 """``(position, meta) -> destination tensor`` for a block about to arrive (dtype/shape of meta)."""
 Adopt = Callable[[np.ndarray, BlockMeta], torch.Tensor]
 """``(region bytes, meta) -> the block's tensor viewing them`` (a read that keeps no copy)."""
+Take = Callable[[int, BlockMeta, np.ndarray, int], Block]
+"""``(position, meta, region bytes, stated checksum) -> the block`` (made, and verified, by the caller)."""
 Place = Callable[[int, BlockKey], int]
 """``(position on the wire, key) -> the block's position`` (``ResponseSlots.place``)."""
 
@@ -447,15 +455,19 @@ class BlockAssembler:
     A whole block may instead lie in the call's shared-memory ``region`` (``in_region`` chunks):
     it is copied from there into the tensor ``allocate`` returned, and its checksum is verified
     only with ``verify_region`` (the daemon verifies what a client puts; a client trusts what the
-    daemon verified on admission: docs/architecture.md, "The shared-memory data plane").
+    daemon verified on admission: docs/architecture.md, "The shared-memory data plane"). With
+    ``take``, the caller makes such a block itself from the region's bytes and the checksum the
+    chunk states, and must verify it (the daemon frames it in one copy: ``frame_from_region``).
     """
 
     __slots__ = ("_adopt", "_allocate", "_buf", "_dest", "_meta", "_place", "_position", "_received", "_region",
-                 "_sent_position", "_verify_region", "blocks", "region_bytes")
+                 "_sent_position", "_take", "_verify_region", "blocks", "region_bytes")
 
     def __init__(self, allocate: Allocate, place: Place = _as_sent, *, region: RegionView | None = None,
-                 verify_region: bool = True, adopt: Adopt | None = None) -> None:
+                 verify_region: bool = True, adopt: Adopt | None = None, take: Take | None = None) -> None:
         assert adopt is None or not verify_region, "an adopted view is not copied, so it cannot be verified"
+        assert adopt is None or take is None, "a region block is adopted or taken, not both"
+        self._take = take
         self._allocate = allocate
         self._place = place
         self._region = region
@@ -549,6 +561,11 @@ class BlockAssembler:
         meta = meta_from_msg(chunk.meta)
         src = self._region(chunk.region_offset, meta.nbytes)
         position = self._place(chunk.position, meta.key)
+        if self._take is not None:
+            taken = self._take(position, meta, src, chunk.checksum)
+            self.blocks += 1
+            self.region_bytes += meta.nbytes
+            return position, taken
         if self._adopt is not None:  # the block is handed out as a view of the region: no copy
             self.blocks += 1
             self.region_bytes += meta.nbytes

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
@@ -41,6 +42,7 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.framed_block import frame_from_region
 from kvtier.rpc.names import DURABLE_METADATA, REGION_METADATA, SERVICE_NAME
 from kvtier.rpc.wire import (
     BlockAssembler,
@@ -314,16 +316,25 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         writable: dict[ScopeDomain, bool] = {}
         lease = call.lease
 
-        def allocate(_pos: int, meta: BlockMeta) -> torch.Tensor:
+        def admit(meta: BlockMeta) -> None:
             # Asked per block, before its bytes are buffered: a purge that starts mid-stream
             # refuses the blocks after it.
             writable.update(self.gate.writable(p, [meta.domain]))
             lease.reserve(meta.nbytes)
+
+        def allocate(_pos: int, meta: BlockMeta) -> torch.Tensor:
+            admit(meta)
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
+
+        def take(_pos: int, meta: BlockMeta, src: np.ndarray, checksum: int) -> Block:
+            # A block in the region is copied once, into the frame the RAM tier will keep.
+            admit(meta)
+            return frame_from_region(meta, src, checksum)  # a bad checksum ends the call (its lease too)
 
         durable = any(k == DURABLE_METADATA and v == "1" for k, v in call.context.invocation_metadata() or ())
         with self._region(call) as region:
-            asm = BlockAssembler(allocate, region=None if region is None else region.window, verify_region=True)
+            asm = BlockAssembler(allocate, region=None if region is None else region.window, verify_region=True,
+                                 take=take)
             return self._put_stream(requests, call, asm, writable, durable)
 
     def _put_stream(self, requests: Iterator[pb.BlockChunk], call: Call, asm: BlockAssembler,
