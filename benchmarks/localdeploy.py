@@ -80,9 +80,11 @@ class LocalDeployment:
         remote: Mapping[str, Any] | None = None,
         server: Mapping[str, Any] | None = None,
         security: Mapping[str, Any] | None = None,
+        memory: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write ``kvtier.toml``: the given tiers (disk under ``root/lmdb``), loopback listener on a
-        free port, these key files; ``server``/``security`` entries override the defaults."""
+        free port, these key files; ``server``/``security``/``memory`` (``tiers.memory``) entries
+        override the defaults."""
         sections: dict[str, dict[str, Any]] = {
             "server": {"listen": "127.0.0.1:0", "max_concurrent_rpcs": 64, "shutdown_grace_s": 5.0,
                        **(server or {})},
@@ -91,7 +93,7 @@ class LocalDeployment:
                          "master_key_file": str(self.master_key_file), **(security or {})},
         }
         if memory_bytes is not None:
-            sections["tiers.memory"] = {"capacity_bytes": memory_bytes}
+            sections["tiers.memory"] = {"capacity_bytes": memory_bytes, **(memory or {})}
         if disk_bytes is not None:
             sections["tiers.disk"] = {"path": str(self.root / "lmdb"), "capacity_bytes": disk_bytes}
         if remote is not None:

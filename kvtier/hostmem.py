@@ -11,6 +11,9 @@ import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+#: M_TRIM_THRESHOLD's value that turns trimming off (mallopt(3)): freed heap memory stays mapped.
+_NEVER_TRIM = -1
 _malloc_tuned = False
 
 #: glibc's tunable that makes malloc ask for transparent huge pages (madvise) on its heaps.
@@ -48,17 +51,67 @@ def tune_malloc_for_large_blocks(mmap_threshold: int = 64 << 20, trim_threshold:
     global _malloc_tuned
     if _malloc_tuned:
         return True
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     _malloc_tuned = ok
     return ok
+
+
+def prefault_heap(nbytes: int, piece_bytes: int = 16 << 20) -> bool:
+    """Fault ``nbytes`` of malloc's heap in once, at start-up, and keep them mapped, so the
+    buffers a daemon allocates later (frames of stored blocks, decrypted records) reuse pages
+    already faulted in instead of faulting each 4 KiB page in on a request's path.
+
+    Measured on the 2-core machine: copying a 32 MiB block into fresh memory 14-16 ms, into
+    memory already touched 8 ms. A pool allocated at start-up (LMCache's L1) would pay the same
+    faults on its first use unless it touched its pages; this touches them. What it takes: every
+    thread allocates from one arena (glibc otherwise gives each RPC thread its own heaps, which
+    this touching would not reach), the heap is never trimmed (it keeps its high-water mark, the
+    memory tier's budget bounds it), and the touching runs before the daemon serves (about 0.3 s
+    a GiB with huge pages). Must be called before other threads allocate; False (nothing done)
+    where the C library is not glibc.
+    """
+    global _malloc_tuned
+    libc = _glibc()
+    if libc is None or nbytes <= 0:
+        return False
+    _malloc_tuned = True  # a later tune_malloc_for_large_blocks must not set a trim threshold again
+    if not (libc.mallopt(_M_ARENA_MAX, 1) and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)
+            and libc.mallopt(_M_MMAP_THRESHOLD, max(piece_bytes * 2, 64 << 20))):
+        return False
+    pieces = []
+    try:
+        # In pieces below the mmap threshold: from the heap, which keeps them once freed.
+        for _ in range(-(-nbytes // piece_bytes)):
+            ptr = libc.malloc(piece_bytes)
+            if not ptr:
+                break
+            ctypes.memset(ptr, 0, piece_bytes)
+            pieces.append(ptr)
+    finally:
+        for ptr in reversed(pieces):
+            libc.free(ptr)
+    return len(pieces) * piece_bytes >= nbytes
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (mallopt's parameters below are glibc's), else None."""
+    import platform
+
+    name = ctypes.util.find_library("c")
+    if name is None or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = (ctypes.c_size_t,)
+        libc.free.argtypes = (ctypes.c_void_p,)
+        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 class HostSlabPool:

@@ -279,6 +279,10 @@ class MemoryTierConfig:
 
     capacity_bytes: int = _f(MISSING, "Host RAM for cached blocks, in bytes. Required.", check=positive)
     policy: str = _f("adaptive", "Eviction policy.", check=one_of(_eviction_policies))
+    prefault: bool = _f(True, "`kvtier serve` faults the tier's capacity of heap memory in at start-up and keeps "
+                              "it (glibc; one malloc arena, no trimming), so stored blocks land on pages already "
+                              "mapped instead of faulting them in on the Put's path. The daemon holds that RAM "
+                              "from the start, as a preallocated pool would.")
 
 
 @dataclass(slots=True, frozen=True)

@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.errors import ConfigError
-from kvtier.hostmem import tune_malloc_for_large_blocks, with_huge_page_malloc
+from kvtier.hostmem import prefault_heap, tune_malloc_for_large_blocks, with_huge_page_malloc
 from kvtier.keys import PUBLIC
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.security.salts import HmacSaltMapper, RequestSalts, read_salt_key
@@ -281,6 +281,10 @@ def run(args: argparse.Namespace) -> int:
     # and fresh multi-MiB buffers per block are cheaper recycled than page-faulted in again.
     torch.set_num_threads(1)
     tune_malloc_for_large_blocks()
+    memory = config.tiers.memory
+    if memory is not None and memory.prefault:
+        # Before any RPC thread exists: they must all allocate from the heap touched here.
+        prefault_heap(memory.capacity_bytes)
     try:
         daemon = Daemon(config).start()
         stop = threading.Event()

@@ -1,5 +1,7 @@
-"""``kvtier serve`` backs malloc with transparent huge pages (server.huge_pages): it re-executes
-itself once with glibc's tunable set, keeping its pid; in-process calls are never re-executed."""
+"""``kvtier serve``'s memory set-up. It backs malloc with transparent huge pages
+(server.huge_pages): it re-executes itself once with glibc's tunable set, keeping its pid;
+in-process calls are never re-executed. It faults its memory tier's capacity in before it serves
+(tiers.memory.prefault)."""
 
 from __future__ import annotations
 
@@ -42,3 +44,27 @@ def test_the_daemon_runs_with_the_tunable_under_its_own_pid(tmp_path: Path, huge
         assert (tunables == [f"GLIBC_TUNABLES={HUGE_PAGE_TUNABLE}".encode()]) is huge_pages
     finally:
         assert daemon.terminate() == 0
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/PID/status")
+
+
+@pytest.mark.skipif(not GLIBC, reason="the heap is prefaulted through glibc's malloc")
+def test_the_daemon_faults_its_memory_tier_in_before_it_serves(tmp_path: Path) -> None:
+    """``tiers.memory.prefault``: the tier's capacity is resident when the daemon is ready (and
+    not without it), so the first stores land on memory already mapped."""
+    capacity = 384 << 20
+    rss = {}
+    for prefault in (True, False):
+        dep = LocalDeployment(tmp_path / f"dep-{prefault}", server_secret=SECRET)
+        dep.write_config(memory_bytes=capacity, memory={"prefault": prefault})
+        daemon = DaemonProcess(dep)
+        try:
+            rss[prefault] = _rss_bytes(daemon.proc.pid)
+        finally:
+            assert daemon.terminate() == 0
+    assert rss[True] - rss[False] >= 0.9 * capacity, rss
