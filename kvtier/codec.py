@@ -9,10 +9,15 @@ The checksum covers everything after the prefix; for a sealed record it stops at
 which the AES-GCM tag authenticates instead (hashing ciphertext twice buys nothing).
 
 The header holds the block identity (key, scope domain, layout fingerprint, parent, index,
-dtype, shape), the payload length, the encryption envelope (key id + nonce) when sealed, and
-the creation time. Readers verify magic, version, lengths, checksum and identity before use;
-when sealed, the AES-GCM tag authenticates the payload under an AAD made of the identity
-fields, so a record copied under another key, tenant or layout fails to open.
+dtype, shape), the payload length, the encryption envelope (key id + nonce) when sealed, the
+creation time and, when the writer knew it, the xxh3-64 of the plaintext payload (``x``: the
+checksum a wire frame of the block carries, so a reader can frame the block as it decrypts it
+instead of hashing it again; a record without it is read the same way otherwise). Readers
+verify magic, version, lengths, checksum and identity before use; when sealed, the AES-GCM tag
+authenticates the payload under an AAD made of the identity fields, so a record copied under
+another key, tenant or layout fails to open. ``x`` is the writer's word, covered by the record
+checksum but not by the tag: a wrong one can only make a receiver that verifies the frame refuse
+the block, never accept other bytes (the payload itself is authenticated).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class RecordHeader:
     payload_offset: int
     envelope: dict[str, Any] | None
     created_at: float
+    #: xxh3-64 of the plaintext payload, as the writer stated it (None: not recorded).
+    payload_checksum: int | None = None
 
 
 def _aad(meta: BlockMeta) -> bytes:
@@ -141,6 +148,7 @@ def encode_into(block: Block, buf: bytearray, sealer: Sealer | None = None) -> i
             "n": body_len,
             "e": envelope,
             "c": time.time(),
+            **({"x": block.checksum} if block.checksum is not None else {}),
         }
     )
     if len(header) > MAX_HEADER_BYTES:
@@ -206,6 +214,9 @@ def parse_header(buf: memoryview | bytes) -> RecordHeader:
     n = _field(h, "n", int)
     env = h.get("e")
     created = _field(h, "c", (float, int))
+    payload_checksum = h.get("x")
+    if payload_checksum is not None and (not isinstance(payload_checksum, int) or not 0 <= payload_checksum < 1 << 64):
+        raise CorruptRecord("record payload checksum field malformed")
     if dtype not in DTYPES or not all(isinstance(d, int) and d > 0 for d in shape) or index < 0:
         raise CorruptRecord("record dtype/shape/index malformed")
     if bool(flags & FLAG_SEALED) != (env is not None) or (env is not None and not isinstance(env, dict)):
@@ -217,7 +228,7 @@ def parse_header(buf: memoryview | bytes) -> RecordHeader:
     expected_body = meta.nbytes + (16 if env is not None else 0)
     if n != expected_body:
         raise CorruptRecord("record payload length disagrees with its dtype and shape")
-    return RecordHeader(meta, n, offset, env, float(created))
+    return RecordHeader(meta, n, offset, env, float(created), payload_checksum)
 
 
 def decode(
@@ -233,11 +244,18 @@ def decode(
     Raises CorruptRecord (or its subclass UnsupportedFormat) for anything that does not verify
     and LayoutMismatch when the record is well-formed but belongs to another layout.
     """
-    mv = memoryview(buf)
-    hdr = verify_record(mv, expect_key=expect_key)
-    meta = hdr.meta
-    if expect_layout is not None and meta.layout_fp != expect_layout:
+    hdr = verify_record(buf, expect_key=expect_key)
+    if expect_layout is not None and hdr.meta.layout_fp != expect_layout:
         raise LayoutMismatch("record belongs to another KV layout")
+    return open_payload(buf, hdr, sealer=sealer, out=out)
+
+
+def open_payload(buf: memoryview | bytes, hdr: RecordHeader, *, sealer: Sealer | None = None,
+                 out: torch.Tensor | None = None) -> Block:
+    """The block of a record ``verify_record`` checked (``hdr``): its payload decrypted (and
+    authenticated) or copied once, into ``out``. The block carries the header's payload checksum."""
+    mv = memoryview(buf)
+    meta = hdr.meta
     body = mv[hdr.payload_offset :]
     torch_dtype = DTYPES[meta.dtype][0]
     if out is None:
@@ -251,7 +269,7 @@ def decode(
         sealer.open_into(meta.domain, hdr.envelope, _aad(meta), body, dst)
     else:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(body, dtype=np.uint8))
-    return Block(meta, out)
+    return Block(meta, out, hdr.payload_checksum)
 
 
 def verify_record(buf: memoryview | bytes, *, expect_key: BlockKey | None = None) -> RecordHeader:

@@ -51,7 +51,7 @@ class FrameMemoryTier(MemoryTier):
     def _evicted_block(self, meta: BlockMeta, held: WireFrame) -> Block:
         data = torch.empty(meta.shape, dtype=slab_dtype(meta))
         self._copy_out(held, data.view(torch.uint8).reshape(-1))
-        return Block(meta, data)
+        return Block(meta, data, held.checksum)  # a spilled record states it: read back straight into a frame
 
     def _discard(self, held: WireFrame) -> None:
         return None  # the bytes go when the last reference (a stream's, perhaps) does

@@ -24,6 +24,7 @@ from kvtier.durable import range_cached
 from kvtier.errors import CorruptRecord
 from kvtier.hostmem import tune_malloc_for_large_blocks
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
+from kvtier.rpc.framed_block import FrameBuilder
 from kvtier.security.secrets import private_dir, private_file
 from kvtier.store.eviction import EntryInfo, make_policy
 from kvtier.store.pin_table import PinTable
@@ -236,8 +237,12 @@ class LmdbTier(IndexedTier):
         initial_map_bytes: int = _MIN_MAP,
         writemap: bool = False,
         tune_allocator: bool = True,
+        framed: bool = False,
     ) -> None:
         super().__init__()
+        #: ``get`` decrypts a record that states its payload checksum straight into a WireFrame
+        #: (a FramedBlock): the form a daemon serves and its frame tier keeps, with no copy more.
+        self.framed = framed
         if capacity_bytes <= 0:
             raise ValueError("LmdbTier capacity_bytes must be positive")
         if tune_allocator:
@@ -351,7 +356,7 @@ class LmdbTier(IndexedTier):
                     consumed += span.size
                     self._locator.agrees(span, v, where)  # else hints stop; the bytes are LMDB's own anyway
                 try:
-                    blk = codec.decode(v, expect_key=k, sealer=self.sealer, out=None if outs is None else outs[i])
+                    blk = self._open(v, k, None if outs is None else outs[i])
                 except CorruptRecord:  # a caller's wrong destination (LayoutMismatch) propagates
                     corrupt.append(bytes(k))
                     out.append(None)
@@ -366,6 +371,15 @@ class LmdbTier(IndexedTier):
         self.metrics.miss(len(keys) - hits)
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
+
+    def _open(self, record: memoryview, key: BlockKey, out: torch.Tensor | None) -> Block:
+        """The block of a record, verified; into ``out``, else into a frame where it can be."""
+        hdr = codec.verify_record(record, expect_key=key)
+        if out is not None or not self.framed or hdr.payload_checksum is None:
+            return codec.open_payload(record, hdr, sealer=self.sealer, out=out)
+        frame = FrameBuilder(hdr.meta, hdr.payload_checksum)
+        codec.open_payload(record, hdr, sealer=self.sealer, out=frame.tensor())
+        return frame.finish()
 
     def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
         t0 = time.perf_counter()

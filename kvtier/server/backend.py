@@ -113,8 +113,9 @@ class Backend:
                 local.append(FrameMemoryTier(tiers.memory.capacity_bytes, policy=tiers.memory.policy))
             if tiers.disk is not None:
                 d = tiers.disk
+                # Framed reads: a disk hit is decrypted straight into the frame the RAM tier keeps.
                 local.append(LmdbTier(d.path, d.capacity_bytes, policy=d.policy, sync=d.sync,
-                                      sealer=keyring if sec.encrypt_disk else None))
+                                      sealer=keyring if sec.encrypt_disk else None, framed=True))
             if s3cfg is not None:
                 remote = S3Tier(s3cfg, sealer=keyring if sec.encrypt_remote else None)
             if not local:

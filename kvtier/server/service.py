@@ -42,7 +42,7 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
-from kvtier.rpc.framed_block import frame_from_region
+from kvtier.rpc.framed_block import FramedBlock, frame_from_region
 from kvtier.rpc.names import DURABLE_METADATA, REGION_METADATA, SERVICE_NAME
 from kvtier.rpc.wire import (
     BlockAssembler,
@@ -280,6 +280,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             yield from self._send_inline(call, [(pos, item)])
 
     def _send_inline(self, call: Call, items: Sequence[tuple[int, Readable]]) -> Iterator[ChunkFrame | bytes]:
+        # A block framed when it was read (a disk hit) is sent as its frame: no copy, no hash.
+        items = [(pos, x.frame if isinstance(x, FramedBlock) else x) for pos, x in items]
         lease = call.lease
         total = sum(x.nbytes for _, x in items)
         lease.reserve(total)

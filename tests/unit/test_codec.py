@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import msgpack
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,8 +72,6 @@ def test_wrong_key_and_wrong_layout():
 
 def _reheader(mutate) -> bytes:
     """Rebuild a record with a mutated header and a *valid* checksum: only semantic checks can catch it."""
-    import xxhash
-
     hdr = codec.parse_header(RECORD)
     hlen = struct.unpack_from("<I", RECORD, 6)[0]
     h = msgpack.unpackb(RECORD[codec.PREFIX_BYTES : codec.PREFIX_BYTES + hlen])
@@ -144,3 +144,13 @@ def test_block_build_refuses_bad_payloads():
         Block.build(other, k, d, torch.zeros(other.block_shape, dtype=other.torch_dtype))
     with pytest.raises(LayoutMismatch):  # domain that is not the key's
         Block.build(SMALL, k, b"\0" * 16, torch.zeros(SMALL.block_shape, dtype=SMALL.torch_dtype))
+
+
+def test_a_known_payload_checksum_is_stated_and_read_back():
+    with_sum = dataclasses.replace(BLOCK, checksum=xxhash.xxh3_64_intdigest(BLOCK.as_bytes_view()))
+    assert codec.parse_header(codec.encode(with_sum)).payload_checksum == with_sum.checksum
+    assert codec.decode(codec.encode(with_sum)).checksum == with_sum.checksum
+    assert codec.parse_header(RECORD).payload_checksum is None and codec.decode(RECORD).checksum is None
+    for bad in ("x", -1, 1.5):
+        with pytest.raises(CorruptRecord, match="payload checksum"):
+            codec.decode(_reheader(lambda h, bad=bad: h.update(x=bad)))

@@ -1,15 +1,22 @@
 """LmdbTier reads records from disk as a stream: records in overflow pages are located without
 being touched, announced to the kernel before they are read, and an open reads their headers only.
-Real LMDB, records large enough to live in overflow pages (the test layout's would not)."""
+A daemon's tier (``framed``) decrypts a record that states its payload checksum straight into a
+wire frame. Real LMDB, records large enough to live in overflow pages (the test layout's would not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
+import torch
+import xxhash
 
 from kvtier.durable import cached_bytes, drop_page_cache
+from kvtier.errors import InvalidRequest
 from kvtier.layout import KVLayout
+from kvtier.rpc.framed_block import FramedBlock
+from kvtier.rpc.wire import BlockAssembler, ResponseSlots, decode_frame, wire_frame
 from kvtier.security.keyring import KeyRing
 from kvtier.security.master_keys import FileKeyProvider, write_master_key
 from kvtier.security.wrapped_keys import FileWrappedKeyStore
@@ -141,4 +148,42 @@ def test_an_open_with_a_misreading_locator_keeps_every_record(tmp_path) -> None:
             assert hdr.meta.key == b.key and size == len(txn.get(b.key))
     assert not t._locator.ok and t.metrics.snapshot()["errors"] == {"lmdb_locator": 1}
     assert t.record_count() == 4
+    t.close()
+
+
+@pytest.mark.parametrize("encrypted", [True, False])
+def test_a_framed_tier_reads_a_stated_record_straight_into_its_frame(tmp_path, encrypted: bool) -> None:
+    """``framed=True`` (the daemon's disk tier): a record that states its payload checksum comes
+    back as a FramedBlock whose frame is the one a copy would make; others as plain blocks."""
+    blocks = chain_blocks(4, layout=BIG)
+    stated = [dataclasses.replace(b, checksum=xxhash.xxh3_64_intdigest(b.as_bytes_view())) for b in blocks[:2]]
+    t = LmdbTier(tmp_path / "db", 64 << 20, sealer=_ring(tmp_path) if encrypted else None, framed=True)
+    assert len(t.put(stated + blocks[2:]).stored) == 4
+    got = t.get([b.key for b in blocks])
+    assert [isinstance(g, FramedBlock) for g in got] == [True, True, False, False]
+    assert all(same_bytes(g, b) for g, b in zip(got, blocks, strict=True))
+    assert [g.frame == wire_frame(b) for g, b in zip(got[:2], blocks[:2], strict=True)] == [True, True]
+    # Into a caller's buffers, or from a tier that does not frame: plain blocks, the same bytes.
+    outs = [b.data.clone().zero_() for b in blocks]
+    assert not any(isinstance(g, FramedBlock) for g in t.get_into([b.key for b in blocks], outs))
+    assert all(torch.equal(o.view(torch.uint8), b.data.view(torch.uint8)) for o, b in zip(outs, blocks, strict=True))
+    sealer = t.sealer
+    t.close()
+    plain = LmdbTier(tmp_path / "db", 64 << 20, sealer=sealer)
+    assert not any(isinstance(g, FramedBlock) for g in plain.get([b.key for b in blocks]))
+    plain.close()
+
+
+def test_a_wrong_stated_checksum_makes_the_frame_refused_never_other_bytes(tmp_path) -> None:
+    """The stated checksum is the writer's word: a wrong one yields a frame that a receiver
+    refuses (the wire assembler verifies it), never bytes other than the record's."""
+    b = chain_blocks(1, layout=BIG)[0]
+    lying = dataclasses.replace(b, checksum=xxhash.xxh3_64_intdigest(b.as_bytes_view()) ^ 1)
+    t = LmdbTier(tmp_path / "db", 64 << 20, sealer=_ring(tmp_path), framed=True)
+    t.put([lying])
+    [got] = t.get([b.key])
+    assert same_bytes(got, b), "the payload itself is the authenticated plaintext"
+    asm = BlockAssembler(lambda _p, m: b.data.clone(), ResponseSlots([b.key]).place)
+    with pytest.raises(InvalidRequest, match="checksum"):
+        list(asm.feed_message(decode_frame(got.frame.data)))
     t.close()
