@@ -19,20 +19,26 @@ system lost or damaged a request has no GB/s for that case (``peer_report.py``).
 
 What each side does per byte
 ----------------------------
-kvtier (``peer_kvtier.py``; the client is ``GrpcTier``, an engine's view of the daemon). Over the
-gRPC stream, a store hashes each block (xxh3), frames it into chunk messages, and the kernel
-copies it through a loopback socket; the daemon reassembles and verifies the hash, and its RAM
-tier keeps the block as a ready-to-send frame (one more copy). A warm retrieve sends that frame as
-it is (no copy, no hash on the daemon); the client copies it out of the socket into the
-destination tensor and verifies its xxh3. When the client and daemon negotiate the node-local
-shared-memory data plane, the payload moves through a shared mapping instead of the socket
-(gRPC stays the control plane); the harness uses whichever the client picks. Disk: a spill or a
-put into LMDB encodes the record and seals it with AES-256-GCM under the scope's data key (one
-pass that reads the payload and writes ciphertext), writes it in an LMDB transaction and fsyncs
-(``tiers.disk.sync``, on by default; ``--no-fsync`` turns it off to match LMCache); a disk read
-decrypts and authenticates the record (one pass) into the block, promotes it into the RAM tier
-(a frame copy) and streams it as above. Writes to the disk tier are synchronous: the Put returns
-after them. (``storage_backends/lmdb.py`` and ``kvtier/codec.py`` have the details of the day.)
+kvtier (``peer_kvtier.py``; the client is ``GrpcTier``, an engine's view of the daemon). The
+client and daemon negotiate the node-local shared-memory data plane (a sealed memfd region the
+client maps and hands the daemon; gRPC stays the control plane); the harness uses whichever path
+the client picks and reports it. Over shared memory: a store copies each block into the client's
+region and hashes it (xxh3) piece by piece as it copies; the daemon copies it once out of the
+region, straight into the ready-to-send frame its RAM tier keeps, hashing as it copies, and
+verifies the hash. The daemon faulted its RAM tier's capacity of heap in at start-up
+(``tiers.memory.prefault``), as a pool allocated at start-up would be. A warm retrieve copies
+each frame's payload into the client's region (no hash: the daemon verified it on admission) and
+the client copies it into the destination tensor. Inline (no shared memory), a store frames
+chunk messages that the kernel copies through a loopback socket, and a retrieve sends the frame
+as it is and the client verifies the xxh3. Disk: a spill or a put into LMDB encodes the record,
+stating the payload's xxh3, and seals it with AES-256-GCM under the scope's data key (one pass
+that reads the payload and writes ciphertext), writes it in an LMDB transaction and fsyncs
+(``tiers.disk.sync``, on by default; ``--no-fsync`` turns it off to match LMCache). Spills from
+the RAM tier run on a background thread; a put the RAM tier cannot hold goes to LMDB before the
+Put returns. A disk read verifies the record header, decrypts and authenticates the payload (one
+pass) straight into a new frame (the stated xxh3 is its checksum), which the RAM tier keeps, then
+copies it into the client's region as above. (``storage_backends/lmdb.py``, ``kvtier/codec.py``
+and ``kvtier/rpc/framed_block.py`` have the details.)
 
 LMCache (``peer_lmcache.py``, ``peer_lmcache_driver.py``; the client is LMCache's own CPU worker
 path, ``lmcache_driven`` transfer). The client's paged KV cache is in POSIX shared memory that the
