@@ -282,9 +282,10 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     tune_malloc_for_large_blocks()
     memory = config.tiers.memory
-    if memory is not None and memory.prefault:
-        # Before any RPC thread exists: they must all allocate from the heap touched here.
-        prefault_heap(memory.capacity_bytes)
+    # Before any RPC thread exists: they must all allocate from the heap touched here.
+    if memory is not None and memory.prefault and not prefault_heap(memory.capacity_bytes):
+        log.warning("memory tier not prefaulted (not glibc, or malloc refused): first stores fault it in",
+                    extra={"event": "prefault_skipped", "bytes": memory.capacity_bytes})
     try:
         daemon = Daemon(config).start()
         stop = threading.Event()
