@@ -149,18 +149,24 @@ class TieredStore:
         """Longest prefix held across tiers.
 
         At each run start the fastest tier holding that position serves the longest run it has
-        from there; the next run starts where it stops. One ``contains`` per tier per run keeps
-        remote tiers to a few batched probes instead of one round trip per block.
+        from there; the next run starts where it stops, and the tier that served the run is not
+        asked again there (it has just said it lacks that key; asking again would cost a daemon
+        client one more round trip on every lookup that ends short). One ``contains`` per tier
+        per run keeps remote tiers to a few batched probes instead of one round trip per block.
         """
         runs: list[TierRun] = []
         pos = 0
+        ended = -1  # the tier whose run stopped at pos: it does not hold keys[pos], so it is not asked
         while pos < len(keys):
             rest = keys[pos:]
             for level, t in enumerate(self.tiers):
+                if level == ended:
+                    continue
                 n = self._first_contains(rest) if level == 0 else t.contains(rest)
                 if n:
                     runs.append(TierRun(level, t.name, pos, n))
                     pos += n
+                    ended = level
                     break
             else:
                 break
