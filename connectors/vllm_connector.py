@@ -425,10 +425,13 @@ class KvtierConnector(KVConnectorBase_V1):
                 tenant = self.source.for_salt(job.salt)
                 if tenant is None:
                     raise AccessDenied(f"request {job.req_id}: its salt no longer resolves")
-                chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
-                # The scheduler's lookup is this worker's only when both derive keys with one layout.
-                found = job.found if job.layout_fp == self.layout.fingerprint else None
-                blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], lookup=found, sink=sink)
+                # The scheduler's lookup is this worker's only when both derive keys with one layout;
+                # then its keys need not be derived again (the gate re-checks them for this principal).
+                if job.found is not None and job.layout_fp == self.layout.fingerprint:
+                    blocks = tenant.cache.load_found(tenant.principal, job.found, sink=sink)
+                else:
+                    chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
+                    blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], sink=sink)
             except (AccessDenied, TierUnavailable) as exc:  # refused or unreachable: vLLM recomputes them
                 blocks, error = [], exc
                 counts[f"load_error:{type(exc).__name__}"] += 1

@@ -208,16 +208,28 @@ class KVCache:
         if not 0 <= n <= len(chain):
             raise ValueError(f"load: n={n} outside [0, {len(chain)}]")
         keys = [cb.key for cb in chain[:n]]
-        gate = self.gate
-        if lookup is None:
-            gate.require_readable(principal, keys)
-            lk = gate.lookup(principal, keys, then_read=True).lookup
-        else:
+        if lookup is not None:
             if tuple(keys[: len(lookup.keys)]) != lookup.keys[:n] or not lookup.loadable:
                 raise ScopeError("load: the lookup handed back is not one of this chain")
-            lk = gate.recheck(principal, lookup.slice(0, n) if lookup.length > n else lookup)
+            return self.load_found(principal, lookup.slice(0, n) if lookup.length > n else lookup, sink=sink)
+        gate = self.gate
+        gate.require_readable(principal, keys)
+        lk = gate.lookup(principal, keys, then_read=True).lookup
         blocks = self.store.load(lk, sink=sink)
-        gate.served(principal, len(blocks), n if lookup is None else lk.length)
+        gate.served(principal, len(blocks), n)
+        return blocks  # type: ignore[return-value]
+
+    def load_found(self, principal: Principal, lookup: Lookup, *, sink: LayerSink | None = None) -> list[Block]:
+        """The verified blocks ``lookup`` found (``lookup(principal, chain)``'s answer, handed
+        back, possibly by another process of the same engine: vLLM's scheduler looks up, its
+        worker loads). The gate re-checks that ``principal`` may still read every key of it, so
+        a lookup made for someone else is refused (AccessDenied) before any tier is touched; a
+        block that vanished or failed verification since shortens the result."""
+        if not lookup.loadable:
+            raise ScopeError("load_found: a lookup built without its keys cannot be loaded")
+        lk = self.gate.recheck(principal, lookup)
+        blocks = self.store.load(lk, sink=sink)
+        self.gate.served(principal, len(blocks), lk.length)
         return blocks  # type: ignore[return-value]
 
     # -- writes -----------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from benchmarks.localdeploy import LocalDeployment
 from connectors.provision import daemon_cache
 from kvtier.block import Block
 from kvtier.cache.kv_cache import RequestSegment
-from kvtier.errors import ScopeError
+from kvtier.errors import AccessDenied, ScopeError
 from kvtier.keys import Segment, block_chain
 from kvtier.security.policy import Principal
 from kvtier.server.daemon import Daemon
+from kvtier.store.lookup import Lookup, TierRun
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import SECRET, SMALL, same_bytes
 
@@ -100,3 +101,53 @@ def test_a_lookup_of_another_chain_is_refused(rig) -> None:
     finally:
         cache.store.close()
 
+
+
+def test_a_short_lookup_costs_one_lookup_rpc(rig) -> None:
+    """A lookup whose cached prefix ends before the chain does asks the daemon once: the tier that
+    just said it lacks the next key is not asked about it again."""
+    daemon, dep = rig
+    alice = Principal("acme", "alice")
+    cache = daemon_cache(GrpcTierConfig(daemon.address, dep.token("acme", "alice")), SMALL)
+    try:
+        chain = cache.chain(alice, [RequestSegment(list(range(3 * SMALL.block_tokens)), "user")])
+        gen = torch.Generator().manual_seed(0)
+        cache.save(alice, chain[:2], [torch.randn(SMALL.block_shape, generator=gen).to(SMALL.torch_dtype)
+                                      for _ in range(2)])
+        before = dict(daemon.metrics.snapshot()["calls"])
+        assert cache.lookup(alice, chain).length == 2
+        assert daemon.metrics.snapshot()["calls"]["Lookup"] - before.get("Lookup", 0) == 1
+    finally:
+        cache.store.close()
+
+
+def test_a_lookup_found_by_another_process_loads_without_its_chain(rig) -> None:
+    """``load_found``: what vLLM's worker does with its scheduler's lookup (same principal, same
+    layout): one Get, no Lookup, the same bytes; handed to someone else, it is refused before any
+    Get."""
+    daemon, dep = rig
+    alice, bob = Principal("acme", "alice"), Principal("acme", "bob")
+    scheduler = daemon_cache(GrpcTierConfig(daemon.address, dep.token("acme", "alice")), SMALL)
+    worker = daemon_cache(GrpcTierConfig(daemon.address, dep.token("acme", "alice")), SMALL)
+    other = daemon_cache(GrpcTierConfig(daemon.address, dep.token("acme", "bob")), SMALL)
+    try:
+        chain = scheduler.chain(alice, [RequestSegment(list(range(3 * SMALL.block_tokens)), "user")])
+        gen = torch.Generator().manual_seed(1)
+        data = [torch.randn(SMALL.block_shape, generator=gen).to(SMALL.torch_dtype) for _ in chain]
+        scheduler.save(alice, chain, data)
+        found = scheduler.lookup(alice, chain).slice(1, 3)
+        before = dict(daemon.metrics.snapshot()["calls"])
+        blocks = worker.load_found(alice, found)
+        after = daemon.metrics.snapshot()["calls"]
+        assert [b.key for b in blocks] == [c.key for c in chain[1:]]
+        assert all(torch.equal(b.data, d) for b, d in zip(blocks, data[1:], strict=True))
+        assert after.get("Lookup", 0) - before.get("Lookup", 0) == 0
+        assert after["Get"] - before.get("Get", 0) == 1
+        with pytest.raises(AccessDenied):
+            other.load_found(bob, found)
+        assert daemon.metrics.snapshot()["calls"]["Get"] == after["Get"], "refused before any Get"
+        with pytest.raises(ScopeError, match="without its keys"):
+            worker.load_found(alice, Lookup((TierRun(0, "daemon", 0, 2),), 3))  # built by hand, for planning
+    finally:
+        for c in (scheduler, worker, other):
+            c.store.close()
