@@ -32,6 +32,7 @@ import xxhash
 
 from kvtier.block import Block, BlockMeta
 from kvtier.dataplane.slices import Slice, SliceLease
+from kvtier.dataplane.typed_views import TypedViews
 from kvtier.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -55,7 +56,8 @@ from kvtier.rpc.wire import (
     BlockAssembler,
     ChunkFrame,
     ResponseSlots,
-    decode_frame,
+    carries_chunk,
+    decode_message,
     encode_frame,
     meta_to_msg,
     pack_blocks,
@@ -377,9 +379,10 @@ class GrpcTier(Tier):
                 layered = LayerMajorShare(whole_t, share.offset, sink)
             del whole
 
-            def adopt(src: np.ndarray, meta: BlockMeta) -> torch.Tensor:
-                start = src.ctypes.data - whole_t.data_ptr()
-                return whole_t[start : start + meta.nbytes].view(DTYPES[meta.dtype][0]).view(meta.shape)
+            typed = TypedViews(whole_t)
+
+            def adopt(offset: int, meta: BlockMeta) -> torch.Tensor:
+                return typed.block(offset - share.offset, meta)
 
             def window(offset: int, nbytes: int) -> np.ndarray:
                 # The daemon may write only inside this call's share of the region.
@@ -398,16 +401,18 @@ class GrpcTier(Tier):
                            metadata=self._metadata(None if shm is None else shm[0]))
         try:
             for msg in stream:
+                # Laid out by layers, progress (layers_ready) comes alone or on the message that
+                # carries the chunks of the blocks it is about (see RegionWriter).
+                if not (msg.layers_ready and not carries_chunk(msg)):
+                    for pos, blk in asm.feed_message(msg):
+                        if layered is not None and layered.holds(blk):
+                            layered.placed(pos, blk)  # handed out once every layer has landed
+                        else:
+                            out[pos] = blk
                 if msg.layers_ready:
                     if layered is None:
                         raise InvalidRequest("layers_ready on a Get that is not laid out by layers")
                     layered.ready(msg.layers_ready)
-                    continue
-                for pos, blk in asm.feed_message(msg):
-                    if layered is not None and layered.holds(blk):
-                        layered.placed(pos, blk)  # handed out once every layer has landed
-                    else:
-                        out[pos] = blk
             if layered is not None and layered.incomplete:
                 raise InvalidRequest(f"the stream ended with {layered.incomplete} blocks laid out by layers incomplete")
             self._ch.session.moved("get", asm.region_bytes)
@@ -565,6 +570,6 @@ class _Channel:
         self.stub = pb_grpc.KvCacheStub(channel)
         # Payload-carrying calls use the frame codec (one copy of each payload byte per side).
         self.get = channel.unary_stream(f"/{SERVICE_NAME}/Get", request_serializer=pb.GetRequest.SerializeToString,
-                                        response_deserializer=decode_frame)
+                                        response_deserializer=decode_message)
         self.put = channel.stream_unary(f"/{SERVICE_NAME}/Put", request_serializer=encode_frame,
                                         response_deserializer=pb.PutResponse.FromString)

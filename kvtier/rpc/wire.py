@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 import xxhash
+from google.protobuf.message import DecodeError
 
 from kvtier.block import Block, BlockMeta
 from kvtier.errors import InvalidRequest, LayoutMismatch
@@ -69,8 +70,8 @@ def meta_from_msg(msg: pb.BlockMeta) -> BlockMeta:
         parent = check_key(msg.parent, "meta.parent")
     if msg.dtype not in DTYPES:
         raise InvalidRequest(f"meta.dtype {msg.dtype!r} is not one of {sorted(DTYPES)}")
-    shape = tuple(int(d) for d in msg.shape)
-    if not 1 <= len(shape) <= MAX_DIMS or any(d <= 0 for d in shape):
+    shape = tuple(msg.shape)  # protobuf's uint32s: ints already
+    if not 1 <= len(shape) <= MAX_DIMS or min(shape) <= 0:
         raise InvalidRequest(f"meta.shape {list(shape)} must have 1-{MAX_DIMS} positive dimensions")
     return BlockMeta(key, key_domain(key), LayoutFingerprint(bytes(msg.layout_fp)), parent, int(msg.index),
                      msg.dtype, shape)
@@ -91,6 +92,10 @@ _T_IN_REGION, _T_REGION_OFFSET, _T_LAYERS_READY = 0x40, 0x48, 0x50
 #: Upper bound of a chunk's encoded bytes besides its payload and meta (tags, varints, the ``more``
 #: entry that wraps it): what ``pack_blocks`` adds per chunk when it fills a message.
 FRAME_OVERHEAD = 64
+#: Received messages up to this size are parsed by protobuf's C parser (``decode_message``): it
+#: copies the payload they carry, which at this size costs less than parsing in Python (a Get
+#: laid out in shared memory sends only metadata: some 190 bytes per block).
+SMALL_MESSAGE_BYTES = 256 << 10
 
 
 @dataclass(slots=True)
@@ -191,6 +196,19 @@ def decode_frame(raw: bytes) -> ChunkFrame:
     does; malformed bytes (or a ``more`` chunk with its own ``more``) raise ValueError (the server
     turns that into INVALID_ARGUMENT)."""
     return _decode(memoryview(raw), nested=False)
+
+
+def decode_message(raw: bytes) -> ChunkFrame | pb.BlockChunk:
+    """Parse a received BlockChunk as ``decode_frame`` does, a small one with protobuf's C parser."""
+    if len(raw) > SMALL_MESSAGE_BYTES:
+        return decode_frame(raw)
+    try:
+        msg = pb.BlockChunk.FromString(raw)
+    except DecodeError as exc:
+        raise ValueError(f"malformed BlockChunk: {exc}") from None
+    if any(len(m.more) for m in msg.more):
+        raise ValueError("a chunk inside `more` cannot carry `more` itself")
+    return msg
 
 
 def _decode(mv: memoryview, *, nested: bool) -> ChunkFrame:
@@ -410,6 +428,14 @@ class ResponseSlots:
         return position
 
 
+def carries_chunk(msg: ChunkFrame | pb.BlockChunk) -> bool:
+    """Whether a message carries a chunk of a block (meta, payload or a place in the region), not
+    only a Get's progress (``layers_ready``)."""
+    if isinstance(msg, ChunkFrame):
+        return msg.meta is not None or bool(len(msg.data)) or msg.in_region or msg.last or bool(msg.more)
+    return msg.HasField("meta") or bool(msg.data) or msg.in_region or msg.last or bool(len(msg.more))
+
+
 def message_chunks(msg: ChunkFrame | pb.BlockChunk) -> list[ChunkFrame | pb.BlockChunk]:
     """The chunks one received message carries, in order: itself, then those in ``more``."""
     return [msg, *msg.more] if len(msg.more) else [msg]
@@ -431,8 +457,9 @@ RegionView = Callable[[int, int], np.ndarray]
 
 Allocate = Callable[[int, BlockMeta], torch.Tensor]
 """``(position, meta) -> destination tensor`` for a block about to arrive (dtype/shape of meta)."""
-Adopt = Callable[[np.ndarray, BlockMeta], torch.Tensor]
-"""``(region bytes, meta) -> the block's tensor viewing them`` (a read that keeps no copy)."""
+Adopt = Callable[[int, BlockMeta], torch.Tensor]
+"""``(region offset, meta) -> the block's tensor viewing its bytes there`` (a read that keeps no
+copy; the assembler has checked the place with its RegionView first)."""
 Take = Callable[[int, BlockMeta, np.ndarray, int], Block]
 """``(position, meta, region bytes, stated checksum) -> the block`` (made, and verified, by the caller)."""
 Place = Callable[[int, BlockKey], int]
@@ -569,7 +596,7 @@ class BlockAssembler:
         if self._adopt is not None:  # the block is handed out as a view of the region: no copy
             self.blocks += 1
             self.region_bytes += meta.nbytes
-            return position, Block(meta, self._adopt(src, meta))
+            return position, Block(meta, self._adopt(chunk.region_offset, meta))
         dest = self._allocate(position, meta)
         if dest.dtype != DTYPES[meta.dtype][0] or tuple(dest.shape) != meta.shape or not dest.is_contiguous():
             raise LayoutMismatch("destination tensor does not match the block's dtype/shape")

@@ -23,14 +23,17 @@ class RegionWriter:
     """Where a Get puts payloads in the caller's region: the request's window, filled in order,
     block after block, and the chunks that describe them.
 
-    A message (``take``) describes the blocks placed per ``REGION_MESSAGE_BYTES`` of payload.
-    Block by block (``layers`` 0): each block is copied as it is placed. Layer by layer
-    (``layers`` L > 0, ``GetRequest.region_layers``): blocks shaped ``[L, ...]`` of one size are
-    only given their place, and their chunks sent; ``drain``, at the end, copies layer 0 of every
-    one of them (its first 1/L), then layer 1, ..., each layer followed by a message
-    ``layers_ready = s + 1``, so the client can use layer s while later layers are copied. Blocks
-    of another shape or size than the first are refused (they travel inline), as is everything
-    after ``drain``.
+    Block by block (``layers`` 0): each block is copied as it is placed, and a message
+    (``take``) describes the blocks placed per ``REGION_MESSAGE_BYTES`` of payload. Layer by
+    layer (``layers`` L > 0, ``GetRequest.region_layers``): blocks shaped ``[L, ...]`` of one size
+    are only given their place; ``drain``, at the end, copies layer 0 of every one of them (its
+    first 1/L), then layer 1, ..., and says how far it got with ``layers_ready`` after layers 1,
+    2, 4, 8, ... and L (``progress_points``), the first time on the message that carries all
+    their chunks. So the client can use layer s while later layers are copied, and the stream
+    has about log2(L) messages, not one per layer and per few MiB: on a busy host each message
+    costs the client a thread wake-up, which comes late when the engine's forward pass holds the
+    cores. Blocks of another shape or size than the first are refused (they travel inline), as
+    is everything after ``drain``.
 
     Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
     (checked once, here); chunks leave in the order their blocks were placed, and a client takes
@@ -76,11 +79,17 @@ class RegionWriter:
         return True
 
     @property
+    def keeps_all(self) -> bool:
+        """Laid out by layers: every block placed is kept until ``drain`` copies it, so reading
+        them in small batches bounds no memory (and only adds a step per batch)."""
+        return bool(self._layers)
+
+    @property
     def full(self) -> bool:
         """Enough placed for one message: block by block, the client copies those blocks out
-        while the next ones are copied in; layer by layer, it checks their metadata while the next
-        ones are placed (on two cores the work overlaps instead of adding up)."""
-        return self._pending_bytes >= REGION_MESSAGE_BYTES
+        while the next ones are copied in (on two cores the work overlaps instead of adding up).
+        Layer by layer, never: the chunks go with the first progress message."""
+        return not self._layers and self._pending_bytes >= REGION_MESSAGE_BYTES
 
     def take(self) -> Iterator[ChunkFrame]:
         """The message describing what was placed since the last one (nothing when nothing was)."""
@@ -91,22 +100,37 @@ class RegionWriter:
             yield head
 
     def drain(self) -> Iterator[ChunkFrame]:
-        """The last message; layer by layer, then the copies of every block placed, each layer
-        followed by its ``layers_ready`` message. Nothing is placed after it."""
-        yield from self.take()
+        """The last messages; layer by layer, the copies of every block placed, with their
+        chunks and progress (see the class docstring). Nothing is placed after it."""
         if not self._layers or self._drained:
+            yield from self.take()
             return
         self._drained = True
         items, self._items = self._items, []
         if not items:
+            yield from self.take()
             return
         strip = self._block // self._layers
         payloads = [(offset, np.frombuffer(_payload(item)[0], dtype=np.uint8)) for offset, item in items]
+        points = progress_points(self._layers)
         for layer in range(self._layers):
             lo = layer * strip
             for offset, payload in payloads:
                 np.copyto(self._region.window(offset + lo, strip), payload[lo : lo + strip])
-            yield ChunkFrame(0, None, 0, b"", False, 0, layers_ready=layer + 1)
+            if layer + 1 in points:
+                msg = next(self.take(), None) or ChunkFrame(0, None, 0, b"", False, 0)
+                msg.layers_ready = layer + 1
+                yield msg
+
+
+def progress_points(layers: int) -> frozenset[int]:
+    """After how many layers a Get laid out by layers reports progress: 1, 2, 4, 8, ... and ``layers``."""
+    points = {layers}
+    n = 1
+    while n < layers:
+        points.add(n)
+        n *= 2
+    return frozenset(points)
 
 
 def _payload(item: Readable) -> tuple[memoryview | bytes, int]:
@@ -118,4 +142,4 @@ def _payload(item: Readable) -> tuple[memoryview | bytes, int]:
     return item.as_bytes_view(), 0
 
 
-__all__ = ["MAX_REGION_LAYERS", "REGION_MESSAGE_BYTES", "RegionWriter"]
+__all__ = ["MAX_REGION_LAYERS", "REGION_MESSAGE_BYTES", "RegionWriter", "progress_points"]

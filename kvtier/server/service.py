@@ -230,7 +230,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
     ) -> Iterator[ChunkFrame | bytes]:
         lk = self.gate.lookup(call.principal, keys, then_read=True).lookup
-        step = self.limits.get_batch_blocks
+        step = self._batch(out, len(keys))
         # Pinned for the whole stream: a block promised by this lookup is not evicted before it
         # is sent, however slowly the client reads.
         with self.store.pins.hold(list(lk.keys)):
@@ -248,7 +248,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     def _get_each(
         self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
     ) -> Iterator[ChunkFrame | bytes]:
-        step = self.limits.get_batch_blocks
+        step = self._batch(out, len(keys))
         may = self.gate.each(call.principal, keys)
         with self.store.pins.hold(keys):
             for a in range(0, len(keys), step):
@@ -260,6 +260,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 sent[0] += len(items)
             if out is not None:  # while the blocks are pinned: a Get laid out by layers copies them now
                 yield from out.drain()
+
+    def _batch(self, out: RegionWriter | None, n: int) -> int:
+        """Blocks read per step of a Get stream: ``get_batch_blocks``, or all of them when the
+        region keeps every block anyway (laid out by layers)."""
+        return max(n, 1) if out is not None and out.keeps_all else self.limits.get_batch_blocks
 
     def _send(
         self, call: Call, items: Sequence[tuple[int, Readable]], out: RegionWriter | None = None

@@ -12,15 +12,19 @@ from kvtier.errors import InvalidRequest, LayoutMismatch
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc.wire import (
     FRAME_OVERHEAD,
+    SMALL_MESSAGE_BYTES,
     BlockAssembler,
     ChunkFrame,
     ResponseSlots,
     as_message,
     block_chunks,
+    carries_chunk,
     check_domain,
     check_keys,
     decode_frame,
+    decode_message,
     encode_frame,
+    message_chunks,
     meta_from_msg,
     meta_to_msg,
     pack_blocks,
@@ -318,3 +322,34 @@ def test_an_assembled_block_carries_the_checksum_it_was_verified_with() -> None:
     [(_, got)] = done
     assert got.checksum == xxhash.xxh3_64_intdigest(b.as_bytes_view())
     assert wire_frame(got) == wire_frame(b), "the frame reuses the verified checksum: same bytes as hashing anew"
+
+
+def test_decode_message_parses_small_messages_like_decode_frame() -> None:
+    """A Get's small messages (shared-memory chunks, progress) go through protobuf's C parser; the
+    fields, the chunks and the refusals are the same as decode_frame's."""
+    metas = [meta_to_msg(b.meta) for b in chain_blocks(3)]
+    region = [ChunkFrame(i, m, 0, b"", True, 7 + i, in_region=True, region_offset=BPB * i) for i, m in enumerate(metas)]
+    head = region[0]
+    head.more, head.layers_ready = region[1:], 1
+    raw = encode_frame(head)
+    assert len(raw) <= SMALL_MESSAGE_BYTES
+    fast, slow = decode_message(raw), decode_frame(raw)
+    assert isinstance(fast, pb.BlockChunk) and fast.layers_ready == slow.layers_ready == 1
+    for a, b in zip(message_chunks(fast), message_chunks(slow), strict=True):
+        assert (a.position, a.meta, a.last, a.checksum, a.in_region, a.region_offset) == \
+            (b.position, b.meta, b.last, b.checksum, b.in_region, b.region_offset)
+    assert carries_chunk(fast) and carries_chunk(slow)
+    progress = encode_frame(ChunkFrame(0, None, 0, b"", False, 0, layers_ready=4))
+    assert not carries_chunk(decode_message(progress)) and not carries_chunk(decode_frame(progress))
+    assert decode_message(progress).layers_ready == 4
+    nested = pb.BlockChunk(more=[pb.BlockChunk(more=[pb.BlockChunk(last=True)])]).SerializeToString()
+    for bad in (b"\x22\x10abc", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x0b", nested):
+        with pytest.raises(ValueError):
+            decode_message(bad)
+
+
+def test_decode_message_keeps_large_payloads_as_views() -> None:
+    meta = meta_to_msg(chain_blocks(1)[0].meta)
+    raw = encode_frame(ChunkFrame(0, meta, 0, memoryview(bytes(SMALL_MESSAGE_BYTES + 1)), True, 0))
+    got = decode_message(raw)
+    assert isinstance(got, ChunkFrame) and isinstance(got.data, memoryview) and len(got.data) == SMALL_MESSAGE_BYTES + 1
