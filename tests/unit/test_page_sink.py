@@ -1,0 +1,48 @@
+"""PageSink: a read's layers into host pages as they land, on the reading thread; announced to
+the forward pass only when the read covers every block of the sink; exact bytes in exactly the
+pages named."""
+
+from __future__ import annotations
+
+import torch
+
+from connectors.vllm_pages import PagedKV, PageSink
+
+LAYERS, PAGES, SHAPE = 3, 8, (2, 4, 16)  # pages [H, N, C] bf16: 256 bytes
+
+
+def paged() -> PagedKV:
+    views = [torch.zeros((PAGES, *SHAPE), dtype=torch.bfloat16) for _ in range(LAYERS)]
+    return PagedKV(views, SHAPE, torch.bfloat16, max_step_pages=4)
+
+
+def blocks(n: int) -> torch.Tensor:
+    """``n`` blocks [layers, H, N, C] back to back, as a read's share holds them."""
+    return torch.randn((n, LAYERS, *SHAPE)).to(torch.bfloat16)
+
+
+def rows(data: torch.Tensor, layer: int) -> torch.Tensor:
+    flat = data.view(data.shape[0], LAYERS, -1).view(torch.uint8)
+    return flat[:, layer, :]  # one row per block, a block apart
+
+
+def test_layers_are_copied_as_they_land_and_announced() -> None:
+    kv, data, ids = paged(), blocks(2), [5, 2]
+    told: list[int] = []
+    sink = PageSink(kv, ids, told.append)
+    for layer in range(LAYERS):
+        sink.layer(layer, (0, 1), rows(data, layer))
+        assert told == list(range(layer + 1))
+        for k, page in enumerate(ids):
+            assert torch.equal(kv.views[layer][page], data[k, layer]), "in its page once announced"
+    assert sink.complete(2) and not sink.complete(1)
+    touched = sum(int(v.view(torch.int16).ne(0).any(dim=(1, 2, 3)).sum()) for v in kv.views)
+    assert touched == LAYERS * 2, "no other page touched"
+
+
+def test_a_read_of_part_of_the_blocks_is_copied_at_once_and_never_announced() -> None:
+    kv, data = paged(), blocks(1)
+    told: list[int] = []
+    sink = PageSink(kv, [3, 4], told.append)
+    sink.layer(0, (0,), rows(data, 0))
+    assert told == [] and torch.equal(kv.views[0][3], data[0, 0]) and not kv.views[0][4].any()
