@@ -27,13 +27,13 @@ class RegionWriter:
     (``take``) describes the blocks placed per ``REGION_MESSAGE_BYTES`` of payload. Layer by
     layer (``layers`` L > 0, ``GetRequest.region_layers``): blocks shaped ``[L, ...]`` of one size
     are only given their place; ``drain``, at the end, copies layer 0 of every one of them (its
-    first 1/L), then layer 1, ..., and says how far it got with ``layers_ready`` after layers 1,
-    2, 4, 8, ... and L (``progress_points``), the first time on the message that carries all
-    their chunks. So the client can use layer s while later layers are copied, and the stream
-    has about log2(L) messages, not one per layer and per few MiB: on a busy host each message
-    costs the client a thread wake-up, which comes late when the engine's forward pass holds the
-    cores. Blocks of another shape or size than the first are refused (they travel inline), as
-    is everything after ``drain``.
+    first 1/L), then layer 1, then layers 2-3, 4-7, ... (``progress_points``: one copy per
+    block and group) and says how far it got with ``layers_ready`` after each group, the first
+    time on the message that carries all their chunks. So the client can use layer s while
+    later layers are copied, and the stream has about log2(L) messages, not one per layer and
+    per few MiB: on a busy host each message costs the client a thread wake-up, which comes
+    late when the engine's forward pass holds the cores. Blocks of another shape or size than
+    the first are refused (they travel inline), as is everything after ``drain``.
 
     Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
     (checked once, here); chunks leave in the order their blocks were placed, and a client takes
@@ -112,15 +112,17 @@ class RegionWriter:
             return
         strip = self._block // self._layers
         payloads = [(offset, np.frombuffer(_payload(item)[0], dtype=np.uint8)) for offset, item in items]
-        points = progress_points(self._layers)
-        for layer in range(self._layers):
-            lo = layer * strip
+        done = 0
+        # The layers between two progress points lie back to back in each block: one copy per
+        # block and group, not per layer (fewer, longer copies; nothing is reported in between).
+        for ready in sorted(progress_points(self._layers)):
+            lo, hi = done * strip, ready * strip
             for offset, payload in payloads:
-                np.copyto(self._region.window(offset + lo, strip), payload[lo : lo + strip])
-            if layer + 1 in points:
-                msg = next(self.take(), None) or ChunkFrame(0, None, 0, b"", False, 0)
-                msg.layers_ready = layer + 1
-                yield msg
+                np.copyto(self._region.window(offset + lo, hi - lo), payload[lo:hi])
+            done = ready
+            msg = next(self.take(), None) or ChunkFrame(0, None, 0, b"", False, 0)
+            msg.layers_ready = ready
+            yield msg
 
 
 def progress_points(layers: int) -> frozenset[int]:
