@@ -403,7 +403,7 @@ class GrpcTier(Tier):
             for msg in stream:
                 # Laid out by layers, progress (layers_ready) comes alone or on the message that
                 # carries the chunks of the blocks it is about (see RegionWriter).
-                if not (msg.layers_ready and not carries_chunk(msg)):
+                if carries_chunk(msg) or not msg.layers_ready:
                     for pos, blk in asm.feed_message(msg):
                         if layered is not None and layered.holds(blk):
                             layered.placed(pos, blk)  # handed out once every layer has landed
