@@ -268,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-")))
         model = write_model(work / "model")
         dep = LocalDeployment(work / "daemon", server_secret=os.urandom(32).hex().encode())
-        dep.write_config(memory_bytes=4 << 30, server={"log_level": "warning"})
+        # The engine's pages (VLLM_CPU_KVCACHE_SPACE, 2 GiB) attach to the daemon as a region of
+        # their own, so its loads land in them directly: the region bound must admit them.
+        dep.write_config(memory_bytes=4 << 30, server={"log_level": "warning", "max_region_bytes": 4 << 30})
         ready = work / "daemon" / "ready.json"
         progress("starting a kvtier daemon")
         daemon = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python3",

@@ -41,6 +41,7 @@ How vLLM's world maps onto kvtier:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -59,10 +60,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.block_saver import BlockSaver
 from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
+from connectors.shared_pages import PagesNotShared
 from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
+from kvtier.block import Block
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, TierUnavailable
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.store.lookup import Lookup
+
+log = logging.getLogger("kvtier.connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -365,6 +370,16 @@ class KvtierConnector(KVConnectorBase_V1):
         self._paged = PagedKV([kv_caches[n] for n in order], (heads, n, c), self.layout.torch_dtype,
                               self._max_step_pages)
         self.stats["pages_direct" if self._paged.direct else "pages_by_torch_indexing"] = 1
+        # Through a daemon, host pages can live in shared memory, so a load lands in them with no
+        # copy in this process (``kvtier.shared_pages``, on by default).
+        if (self.options.get("cache") == "daemon" and bool(self.options.get("shared_pages", True))
+                and self._paged.host_pages and self._paged.direct):
+            try:
+                self._paged.share()
+                self.stats["pages_shared"] = 1
+            except PagesNotShared as exc:
+                self.stats["pages_not_shared"] = 1
+                log.warning("kvtier: the KV pages stay private; loads are copied into them (%s)", exc)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -435,13 +450,16 @@ class KvtierConnector(KVConnectorBase_V1):
             except (AccessDenied, TierUnavailable) as exc:  # refused or unreachable: vLLM recomputes them
                 blocks, error = [], exc
                 counts[f"load_error:{type(exc).__name__}"] += 1
-            data = [b.data for b in blocks]
-            counts["loaded_blocks"] += len(data)
-            invalid.update(job.block_ids[len(data):])
-            if sink is not None and data and sink.complete(len(data)):
-                counts["loaded_by_layer"] += len(data)  # already in the pages
+            counts["loaded_blocks"] += len(blocks)
+            invalid.update(job.block_ids[len(blocks):])
+            if sink is not None and blocks and sink.complete(len(blocks)):
+                counts["loaded_by_layer"] += len(blocks)  # already in the pages
+                if sink.in_place:
+                    counts["loaded_in_place"] += len(blocks)  # written there by the daemon
                 continue
-            loads.append((job, self._paged.load(data, job.block_ids[: len(data)])))
+            # What is not in its page yet (a placed block is, as a whole, or it is not returned).
+            pending = [(b.data, job.block_ids[i]) for i, b in enumerate(blocks) if isinstance(b, Block)]
+            loads.append((job, self._paged.load([d for d, _ in pending], [i for _, i in pending])))
         if scatter_all:  # an async load is finished only when its copies have completed
             for _, ld in loads:
                 ld.wait()

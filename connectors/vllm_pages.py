@@ -15,7 +15,9 @@ always addressed through them, never through a tensor passed in later) and a ``T
 Without CUDA the same code runs on CPU tensors (copies happen at submission, completions are done
 from the start). Layouts whose pages are not one contiguous run in ``[H, N, C]`` order (vLLM's
 LBNHC, LHBNC, ...) cannot be moved as raw rows: for those the pages move with torch indexing,
-and ``direct`` is False (counted by the connector).
+and ``direct`` is False (counted by the connector). Direct host pages may also be moved into
+shared memory (``share``, see connectors.shared_pages): a load from the daemon then lands in
+them with no copy here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from connectors.shared_pages import SharedPages
 from kvtier.errors import TransferError
 from kvtier.store.layer_sink import LayerSink
 from kvtier.transfer.copiers import page_rows
@@ -72,6 +75,13 @@ class PagedKV:
         # Every layer's gather of one step is outstanding until wait_for_save, plus room for a load.
         self.engine = TransferEngine(device, TransferConfig(buffer_bytes=pages * self.page_bytes,
                                                             n_buffers=layers + 4, max_pages=pages))
+        #: The pages moved into shared memory (``share``), or None.
+        self.shared: SharedPages | None = None
+
+    def share(self) -> None:
+        """Move the pages into shared memory, in place (PagesNotShared when they cannot be)."""
+        assert self.shared is None
+        self.shared = SharedPages.share(self.views)
 
     # -- save ---------------------------------------------------------------------------------------
     def gather(self, layer: int, ids: Sequence[int]) -> Gathered:
@@ -155,16 +165,22 @@ class PageSink(LayerSink):
     ``positions[k]`` of the read goes to page ``ids[positions[k]]``. ``on_layer(s)`` is told once
     layer s of every block of the read is in its page, which holds only when the read laid every
     block out layer by layer (otherwise some arrive later, inline, and are copied from the
-    blocks), so it is called only then."""
+    blocks), so it is called only then. With shared pages, the daemon writes each layer into
+    the pages itself and the sink only passes the news on."""
 
     def __init__(self, paged: PagedKV, ids: Sequence[int], on_layer: Callable[[int], None] | None) -> None:
-        super().__init__(len(paged.views))
+        super().__init__(len(paged.views), None if paged.shared is None else paged.shared.target(ids))
         self._paged = paged
         self._ids = list(ids)
         self._on_layer = on_layer
+        #: Layers the tier wrote into the shared pages itself (no copy here).
+        self.in_place = 0
 
-    def take(self, index: int, positions: tuple[int, ...], rows: torch.Tensor) -> None:
-        self._paged.load_layer(index, rows, [self._ids[p] for p in positions])
+    def take(self, index: int, positions: tuple[int, ...], rows: torch.Tensor | None) -> None:
+        if rows is None:  # written into the shared pages by the daemon
+            self.in_place += 1
+        else:
+            self._paged.load_layer(index, rows, [self._ids[p] for p in positions])
         if self._on_layer is not None and positions == tuple(range(len(self._ids))):
             self._on_layer(index)
 

@@ -55,6 +55,15 @@ class Described:
         return self.meta.nbytes
 
 
+@dataclass(slots=True, frozen=True)
+class PlacedBlock(Described):
+    """A block a tier wrote straight into its reader's own pages (``LayerSink.pages``): its bytes
+    are there, layer by layer from ``offset`` of the reader's memory, not in a tensor of its own."""
+
+    meta: BlockMeta
+    offset: int
+
+
 @dataclass(slots=True)
 class Block(Described):
     """A block's metadata and its payload tensor (contiguous, dtype/shape as the metadata says).

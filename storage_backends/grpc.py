@@ -65,8 +65,8 @@ from kvtier.rpc.wire import (
 from kvtier.store.layer_sink import LayerSink
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
-from storage_backends.layer_major import LayerMajorShare
-from storage_backends.shm_link import DataPlaneSession, SharedMemoryLink
+from storage_backends.layer_major import LayerMajorShare, PlacedShare
+from storage_backends.shm_link import DataPlaneSession, PagesLink, SharedMemoryLink
 
 #: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause. A
 #: RateLimited read (the daemon's miss limit) is a refusal for now, like Overloaded, not a crash.
@@ -226,7 +226,7 @@ class GrpcTier(Tier):
     def _token(self) -> str:
         return self.config.token() if callable(self.config.token) else self.config.token
 
-    def _metadata(self, link: SharedMemoryLink | None = None) -> tuple[tuple[str, str], ...]:
+    def _metadata(self, link: SharedMemoryLink | PagesLink | None = None) -> tuple[tuple[str, str], ...]:
         md: tuple[tuple[str, str], ...] = ((AUTH_METADATA, f"Bearer {self._token()}"),)
         if self.config.salt is not None:
             md = (*md, (SALT_METADATA, self.config.salt))
@@ -237,7 +237,10 @@ class GrpcTier(Tier):
         return (*md, (DURABLE_METADATA, "1")) if self.config.durable else md
 
     def _link(self) -> SharedMemoryLink | None:
-        return self._ch.session.link(lambda: self._unary("DataPlane", pb.DataPlaneRequest()), self._token)
+        return self._ch.session.link(self._offer, self._token)
+
+    def _offer(self) -> pb.DataPlaneResponse:
+        return self._unary("DataPlane", pb.DataPlaneRequest())
 
     @property
     def data_plane(self) -> str:
@@ -322,6 +325,16 @@ class GrpcTier(Tier):
         if not keys:
             return out
         t0 = time.perf_counter()
+        if sink is not None and sink.pages is not None and outs is None:
+            # The reader's own pages are in shared memory: the daemon writes there, nothing is copied here.
+            pages = self._ch.session.pages(sink.pages.fd, self._offer, self._token)
+            if pages is not None:
+                try:
+                    self._stream(keys, None, mode, out, None, sink, pages)
+                    return self._counted(out, t0)
+                except RegionUnavailable:  # raised before any byte moved: the daemon restarted
+                    self._ch.session.lost_pages(pages)
+                    out = [None] * len(keys)
         link = self._link()
         share = None if link is None else link.slices.take(
             sum(o.nbytes for o in outs) if outs is not None
@@ -340,20 +353,25 @@ class GrpcTier(Tier):
         finally:
             if lease is not None:
                 lease.drop()
+        if link is not None and any(b is not None for b in out):
+            link.typical_block_bytes = max(b.nbytes for b in out if b is not None)
+        return self._counted(out, t0)
+
+    def _counted(self, out: list[Block | None], t0: float) -> list[Block | None]:
         hits = [b for b in out if b is not None]
-        if link is not None and hits:
-            link.typical_block_bytes = max(b.nbytes for b in hits)
         self.metrics.hit(len(hits), sum(b.nbytes for b in hits))
-        self.metrics.miss(len(keys) - len(hits))
+        self.metrics.miss(len(out) - len(hits))
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
 
     def _stream(
         self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int, out: list[Block | None],
         shm: tuple[SharedMemoryLink, SliceLease] | None, sink: LayerSink | None = None,
+        pages: PagesLink | None = None,
     ) -> None:
         """One Get call, its blocks placed into ``out``; failures the engine must survive are counted.
-        With ``sink`` and shared memory, the call is laid out layer by layer (see get_layers)."""
+        With ``sink`` and shared memory, the call is laid out layer by layer (see get_layers); with
+        ``pages`` (the sink's own pages, attached), each block goes straight to its pages."""
 
         def allocate(pos: int, meta: BlockMeta) -> torch.Tensor:
             if outs is not None:
@@ -361,10 +379,19 @@ class GrpcTier(Tier):
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
 
         request = pb.GetRequest(keys=list(keys), mode=mode)
-        window = adopt = None
-        layered: LayerMajorShare | None = None
+        window = adopt = take = None
+        layered: LayerMajorShare | PlacedShare | None = None
         used = [0]  # bytes of the share the daemon filled (from its start: it fills in order)
-        if shm is not None:
+        named: SharedMemoryLink | PagesLink | None = None if shm is None else shm[0]
+        if pages is not None:
+            assert sink is not None and sink.pages is not None and outs is None
+            placed = PlacedShare(sink.pages, sink, len(keys))
+            request.region_offset, request.region_bytes = 0, pages.nbytes
+            request.region_layers = sink.layers
+            request.block_offsets.extend(placed.offsets)
+            request.layer_stride = placed.stride
+            layered, window, take, named = placed, placed.window, placed.take, pages
+        elif shm is not None:
             link, lease = shm
             share = lease.slice
             request.region_offset, request.region_bytes = share.offset, share.nbytes
@@ -396,9 +423,8 @@ class GrpcTier(Tier):
         # A client trusts blocks the daemon verified (admission, disk, S3) and placed in shared
         # memory; inline blocks are hashed end to end as ever.
         asm = BlockAssembler(allocate, ResponseSlots(keys).place, region=window, verify_region=False,
-                             adopt=adopt if outs is None else None)
-        stream = self._get(request, timeout=self.config.timeout_s,
-                           metadata=self._metadata(None if shm is None else shm[0]))
+                             adopt=adopt if outs is None and take is None else None, take=take)
+        stream = self._get(request, timeout=self.config.timeout_s, metadata=self._metadata(named))
         try:
             for msg in stream:
                 # Laid out by layers, progress (layers_ready) comes alone or on the message that

@@ -10,15 +10,23 @@ bytes ``[s * strip, (s + 1) * strip)`` of block k, so the rows of a layer lie a 
 releases the blocks only once every layer has landed: a block whose later layers never arrived
 is never handed out. A daemon that ignored ``region_layers`` sends no ``layers_ready``, so its
 blocks become misses, never wrong bytes.
+
+``PlacedShare`` is the same for a Get that names each block's place (``GetRequest.block_offsets``):
+the caller's own pages, in a region of their own. The daemon writes layer s of key i's block at
+``offsets[i] + s * stride``; nothing is copied on this side, and the blocks come out as
+``PlacedBlock``s (their bytes are in the pages).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvtier.block import Block
+from kvtier.block import Block, BlockMeta, PlacedBlock
 from kvtier.errors import InvalidRequest
-from kvtier.store.layer_sink import LayerSink
+from kvtier.store.layer_sink import LayerSink, PageTarget
+
+_NOTHING = np.empty(0, dtype=np.uint8)
 
 
 class LayerMajorShare:
@@ -82,4 +90,65 @@ class LayerMajorShare:
         return 0 if self._ready == self.layers else len(self._blocks)
 
 
-__all__ = ["LayerMajorShare"]
+class PlacedShare:
+    """One placed Get's blocks (see the module docstring); used by that call's thread only.
+
+    Invariants: a block is taken only where the request put its key (``offsets[position]``), with
+    ``layers`` layers that fit the pages' memory; layers ``[0, _ready)`` of every block taken are in
+    place; ``done()`` hands the blocks out only when ``_ready`` is ``layers``.
+    """
+
+    def __init__(self, target: PageTarget, sink: LayerSink, n_keys: int) -> None:
+        assert len(target.offsets) >= n_keys
+        self._sink = sink
+        self.layers = sink.layers
+        self.offsets = target.offsets[:n_keys]
+        self.stride = target.stride
+        self._memory_bytes = target.memory.numel()
+        self._at = -1  # where the chunk being taken says its block lies
+        self._blocks: list[tuple[int, PlacedBlock]] = []
+        self._ready = 0
+
+    def window(self, offset: int, nbytes: int) -> np.ndarray:
+        """The assembler's view of the region: only where the chunk says its block lies (its bytes
+        are not read here; ``take`` checks the place against the key's)."""
+        if self._ready:
+            raise InvalidRequest("a placed block arrived after its group's layers")
+        self._at = offset
+        return _NOTHING
+
+    def take(self, position: int, meta: BlockMeta, src: np.ndarray, checksum: int) -> PlacedBlock:
+        if not 0 <= position < len(self.offsets) or self.offsets[position] != self._at:
+            raise InvalidRequest("the daemon placed a block elsewhere than its key's pages")
+        shape = meta.shape
+        if not shape or shape[0] != self.layers or meta.nbytes % self.layers:
+            raise InvalidRequest(f"a placed block must have {self.layers} layers, got shape {shape}")
+        if self._at + (self.layers - 1) * self.stride + meta.nbytes // self.layers > self._memory_bytes:
+            raise InvalidRequest("a placed block's last layer lies past the pages")
+        return PlacedBlock(meta, self._at)
+
+    def holds(self, block: Block | PlacedBlock) -> bool:
+        return isinstance(block, PlacedBlock)
+
+    def placed(self, position: int, block: PlacedBlock) -> None:
+        self._blocks.append((position, block))
+
+    def ready(self, layers: int) -> None:
+        """A ``layers_ready`` message: tell the sink (no rows: the layers are where they belong)."""
+        if not self._blocks or not self._ready < layers <= self.layers:
+            raise InvalidRequest(f"layers_ready {layers} after {self._ready} of {self.layers} for "
+                                 f"{len(self._blocks)} placed blocks")
+        positions = [p for p, _ in self._blocks]
+        for s in range(self._ready, layers):
+            self._sink.layer(s, positions, None)
+            self._ready = s + 1
+
+    def done(self) -> list[tuple[int, PlacedBlock]]:
+        return self._blocks if self._ready == self.layers else []
+
+    @property
+    def incomplete(self) -> int:
+        return 0 if self._ready == self.layers else len(self._blocks)
+
+
+__all__ = ["LayerMajorShare", "PlacedShare"]

@@ -15,6 +15,7 @@ from the GPU, and the region doubles as the transfer staging buffer.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -62,36 +63,19 @@ class SharedMemoryLink:
 
     @classmethod
     def attach(cls, offer: pb.DataPlaneResponse, token: str, nbytes: int) -> SharedMemoryLink:
-        if not offer.socket:
-            raise DataPlaneUnavailable("the daemon offers no shared-memory data plane")
         nbytes = min(nbytes, offer.max_region_bytes) if offer.max_region_bytes else nbytes
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        region: SharedRegion | None = None
+        region = SharedRegion.create(nbytes)
         try:
-            sock.connect(offer.socket)
-            region = SharedRegion.create(nbytes)
-            send_hello(sock, Hello(token, region.nbytes), region.fd)
-            reply = read_reply(sock)
-            if not isinstance(reply, Attached):
-                raise DataPlaneUnavailable(f"the daemon refused the region: {reply[0]}: {reply[1]}")
-            if reply.instance != offer.instance:
-                raise DataPlaneUnavailable(f"{offer.socket} belongs to another daemon than this channel's")
+            sock, handle = _hand_over(offer, token, region.fd, region.nbytes)
+        finally:
             region.close()  # the mapping stays; the daemon holds its own descriptor
+        try:
             tensor = torch.from_numpy(region.array)
             pinned = _pin(tensor)
-            sock.settimeout(None)
-            return cls(sock, region, reply.region, SliceAllocator(region.nbytes), tensor, pinned)
-        except OSError as exc:
-            sock.close()
-            if region is not None:
-                region.close()
-            raise DataPlaneUnavailable(f"cannot attach through {offer.socket}: {exc}") from None
         except BaseException:
             sock.close()
-            if region is not None:
-                region.close()
             raise
+        return cls(sock, region, handle, SliceAllocator(region.nbytes), tensor, pinned)
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +85,51 @@ class SharedMemoryLink:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         self.sock.close()  # the daemon detaches the region when this connection ends
+
+
+@dataclass(slots=True)
+class PagesLink:
+    """A client's own pages (a sealed memory file it made, ``LayerSink.pages``) attached to the
+    daemon as a region of its own, so a placed Get writes there: the connection that keeps it
+    attached and the handle that names it. The client keeps its descriptor (it re-attaches the
+    same file after a daemon restart). ``close`` once."""
+
+    sock: socket.socket
+    handle: str
+    nbytes: int
+
+    @classmethod
+    def attach(cls, offer: pb.DataPlaneResponse, token: str, fd: int) -> PagesLink:
+        nbytes = os.fstat(fd).st_size
+        sock, handle = _hand_over(offer, token, fd, nbytes)
+        return cls(sock, handle, nbytes)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _hand_over(offer: pb.DataPlaneResponse, token: str, fd: int, nbytes: int) -> tuple[socket.socket, str]:
+    """The handshake: ``fd`` to the daemon behind ``offer``; the open connection and the region's handle."""
+    if not offer.socket:
+        raise DataPlaneUnavailable("the daemon offers no shared-memory data plane")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        sock.connect(offer.socket)
+        send_hello(sock, Hello(token, nbytes), fd)
+        reply = read_reply(sock)
+        if not isinstance(reply, Attached):
+            raise DataPlaneUnavailable(f"the daemon refused the region: {reply[0]}: {reply[1]}")
+        if reply.instance != offer.instance:
+            raise DataPlaneUnavailable(f"{offer.socket} belongs to another daemon than this channel's")
+        sock.settimeout(None)
+        return sock, reply.region
+    except OSError as exc:
+        sock.close()
+        raise DataPlaneUnavailable(f"cannot attach through {offer.socket}: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _pin(t: torch.Tensor) -> bool:
@@ -131,6 +160,9 @@ class DataPlaneSession:
         self.region_bytes = region_bytes
         self._link: SharedMemoryLink | None = None
         self._failed_at = -RETRY_AFTER_S
+        #: Clients' own pages attached (``pages``), by memory file (device, inode); when each last failed.
+        self._pages: dict[tuple[int, int], PagesLink] = {}
+        self._pages_failed: dict[tuple[int, int], float] = {}
         self._reason = "not attached yet" if mode != "tcp" else "inline by configuration"
         self._lock = threading.Lock()
         #: Payload bytes moved through the region, by direction ("get", "put").
@@ -167,6 +199,39 @@ class DataPlaneSession:
                 self._reason = str(exc)
                 return None
 
+    def pages(self, fd: int, offer: Callable[[], pb.DataPlaneResponse],
+              token: Callable[[], str]) -> PagesLink | None:
+        """The attachment of a client's own pages (memory file ``fd``), attached on first use;
+        None when shared memory is off or the daemon refused them (too large for its bound, say:
+        logged, retried after RETRY_AFTER_S), so the read goes through the channel's own region."""
+        if self.mode == "tcp":
+            return None
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            link = self._pages.get(key)
+            if link is not None:
+                return link
+            if time.monotonic() - self._pages_failed.get(key, -RETRY_AFTER_S) < RETRY_AFTER_S:
+                return None
+            try:
+                link = self._pages[key] = PagesLink.attach(offer(), token(), fd)
+                log.info("client pages attached", extra={"event": "data_plane", "bytes": link.nbytes})
+                return link
+            except KvtierError as exc:
+                self._pages_failed[key] = time.monotonic()
+                log.warning("client pages not attached; reads go through the region",
+                            extra={"event": "data_plane", "reason": str(exc)})
+                return None
+
+    def lost_pages(self, link: PagesLink) -> None:
+        """The daemon no longer knows ``link`` (it restarted): the next read attaches the pages again."""
+        with self._lock:
+            for key, held in list(self._pages.items()):
+                if held is link:
+                    del self._pages[key]
+        link.close()
+
     def moved(self, direction: str, nbytes: int) -> None:
         with self._lock:
             self.moved_bytes[direction] += nbytes
@@ -182,5 +247,8 @@ class DataPlaneSession:
     def close(self) -> None:
         with self._lock:
             link, self._link = self._link, None
+            pages, self._pages = list(self._pages.values()), {}
         if link is not None:
             link.close()
+        for p in pages:
+            p.close()

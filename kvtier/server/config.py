@@ -179,7 +179,9 @@ class ServerConfig:
         else "expected 'auto', 'off' or an absolute path",
     )
     max_region_bytes: int = _f(
-        1 << 30, "Largest shared-memory region one client may attach.", check=in_range(1 << 20, 1 << 40))
+        1 << 30, "Largest shared-memory region one client may attach. An engine's host KV pages attach as one "
+                 "(vLLM's `kvtier.shared_pages`): raise it to their size, else its loads are copied.",
+        check=in_range(1 << 20, 1 << 40))
     max_regions: int = _f(64, "Shared-memory regions attached at once, all clients together.",
                           check=in_range(1, 4096))
     max_regions_per_client: int = _f(4, "Shared-memory regions one credential may attach at once.",

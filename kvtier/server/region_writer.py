@@ -1,9 +1,10 @@
 """RegionWriter: where a Get puts payloads in the caller's shared-memory region (block by block,
-or layer by layer), and the chunks that describe them."""
+or layer by layer, back to back or at places the caller names), and the chunks that describe them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,6 +18,16 @@ from kvtier.store.tiered_store import Readable
 REGION_MESSAGE_BYTES = 4 << 20
 #: The most layers a Get laid out by layers may ask for (``GetRequest.region_layers``).
 MAX_REGION_LAYERS = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    """Where a Get laid out by layers puts the block of key i: layer s at ``offsets[i] + s *
+    stride`` (``GetRequest.block_offsets``, ``layer_stride``), e.g. an engine's own pages that live
+    in its region, one page per layer a ``stride`` apart."""
+
+    offsets: tuple[int, ...]
+    stride: int
 
 
 class RegionWriter:
@@ -35,6 +46,11 @@ class RegionWriter:
     late when the engine's forward pass holds the cores. Blocks of another shape or size than
     the first are refused (they travel inline), as is everything after ``drain``.
 
+    With a ``Placement`` (layer by layer only), block i does not go to the next free bytes but
+    layer s of it to ``offsets[i] + s * stride``: the caller's pages, so the client copies
+    nothing. Every such layer must lie in the window and no two may overlap (InvalidRequest
+    before anything is copied); a block that would not fit is refused and travels inline.
+
     Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
     (checked once, here); chunks leave in the order their blocks were placed, and a client takes
     a block only once it is whole. The caller keeps the placed items pinned until ``drain`` has
@@ -42,18 +58,22 @@ class RegionWriter:
     """
 
     __slots__ = ("_block", "_cursor", "_drained", "_end", "_items", "_layers", "_pending", "_pending_bytes",
-                 "_region")
+                 "_placement", "_region", "_start")
 
-    def __init__(self, region: SharedRegion, offset: int, nbytes: int, layers: int = 0) -> None:
+    def __init__(self, region: SharedRegion, offset: int, nbytes: int, layers: int = 0,
+                 placement: Placement | None = None) -> None:
         region.window(offset, nbytes)  # InvalidRequest unless the window lies in the region
         if not 0 <= layers <= MAX_REGION_LAYERS:
             raise InvalidRequest(f"region_layers must be 0..{MAX_REGION_LAYERS}, got {layers}")
+        if placement is not None and (not layers or placement.stride <= 0):
+            raise InvalidRequest("block_offsets need region_layers and a positive layer_stride")
         self._region = region
-        self._cursor = offset
+        self._start = self._cursor = offset
         self._end = offset + nbytes
         self._layers = layers
+        self._placement = placement
         self._block = 0  # layer by layer: the bytes of every block placed (the first one's)
-        self._items: list[tuple[int, Readable]] = []  # layer by layer: (offset, item), to copy in drain
+        self._items: list[tuple[int, Readable]] = []  # layer by layer: (layer 0's offset, item), for drain
         self._drained = False
         self._pending: list[ChunkFrame] = []
         self._pending_bytes = 0
@@ -61,7 +81,15 @@ class RegionWriter:
     def place(self, position: int, item: Readable) -> bool:
         """Give ``item``'s payload the next free bytes and queue its chunk; False when it does not fit."""
         n = item.nbytes
-        if self._cursor + n > self._end:
+        place = self._cursor
+        if self._placement is not None:
+            if not 0 <= position < len(self._placement.offsets):
+                return False
+            place = self._placement.offsets[position]
+            last = place + (self._layers - 1) * self._placement.stride + n // self._layers
+            if place < self._start or last > self._end:
+                return False
+        elif self._cursor + n > self._end:
             return False
         payload, checksum = _payload(item)
         if self._layers:
@@ -69,13 +97,14 @@ class RegionWriter:
             if self._drained or not shape or shape[0] != self._layers or n % self._layers or n != (self._block or n):
                 return False
             self._block = n
-            self._items.append((self._cursor, item))  # copied by drain, layer by layer
+            self._items.append((place, item))  # copied by drain, layer by layer
         else:
-            np.copyto(self._region.window(self._cursor, n), np.frombuffer(payload, dtype=np.uint8))
+            np.copyto(self._region.window(place, n), np.frombuffer(payload, dtype=np.uint8))
         self._pending.append(ChunkFrame(position, meta_to_msg(item.meta), 0, b"", True, checksum, in_region=True,
-                                        region_offset=self._cursor))
+                                        region_offset=place))
         self._pending_bytes += n
-        self._cursor += n
+        if self._placement is None:
+            self._cursor += n
         return True
 
     @property
@@ -111,14 +140,20 @@ class RegionWriter:
             yield from self.take()
             return
         strip = self._block // self._layers
-        payloads = [(offset, np.frombuffer(_payload(item)[0], dtype=np.uint8)) for offset, item in items]
+        # Back to back, a block's layers follow each other; placed, they lie a stride apart.
+        stride = strip if self._placement is None else self._placement.stride
+        if self._placement is not None:
+            _check_disjoint([offset for offset, _ in items], self._layers, stride, strip)
+        whole = self._region.array
+        payloads = [(offset, np.frombuffer(_payload(item)[0], dtype=np.uint8).reshape(self._layers, strip))
+                    for offset, item in items]
         done = 0
-        # The layers between two progress points lie back to back in each block: one copy per
-        # block and group, not per layer (fewer, longer copies; nothing is reported in between).
+        # One copy per block and group of layers (those between two progress points), not per
+        # layer: fewer calls; nothing is reported in between.
         for ready in sorted(progress_points(self._layers)):
-            lo, hi = done * strip, ready * strip
             for offset, payload in payloads:
-                np.copyto(self._region.window(offset + lo, hi - lo), payload[lo:hi])
+                dst = np.ndarray((ready - done, strip), np.uint8, whole, offset + done * stride, (stride, 1))
+                np.copyto(dst, payload[done:ready])
             done = ready
             msg = next(self.take(), None) or ChunkFrame(0, None, 0, b"", False, 0)
             msg.layers_ready = ready
@@ -135,6 +170,15 @@ def progress_points(layers: int) -> frozenset[int]:
     return frozenset(points)
 
 
+def _check_disjoint(offsets: Sequence[int], layers: int, stride: int, strip: int) -> None:
+    """Placed layers (``strip`` bytes at ``offset + s * stride``) must not overlap: two blocks
+    written over each other would hand the client bytes that are neither."""
+    starts = np.sort((np.asarray(offsets, dtype=np.int64)[:, None]
+                      + stride * np.arange(layers, dtype=np.int64)[None, :]).ravel())
+    if starts.size > 1 and int(np.diff(starts).min()) < strip:
+        raise InvalidRequest("block_offsets and layer_stride place two layers over each other")
+
+
 def _payload(item: Readable) -> tuple[memoryview | bytes, int]:
     """An item's payload bytes and the checksum a chunk carries for it (0: the client verifies
     no region block; a frame's is already known)."""
@@ -144,4 +188,4 @@ def _payload(item: Readable) -> tuple[memoryview | bytes, int]:
     return item.as_bytes_view(), 0
 
 
-__all__ = ["MAX_REGION_LAYERS", "REGION_MESSAGE_BYTES", "RegionWriter", "progress_points"]
+__all__ = ["MAX_REGION_LAYERS", "REGION_MESSAGE_BYTES", "Placement", "RegionWriter", "progress_points"]

@@ -61,7 +61,7 @@ from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
 from kvtier.server.region_table import RegionTable
-from kvtier.server.region_writer import RegionWriter
+from kvtier.server.region_writer import Placement, RegionWriter
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 
@@ -212,11 +212,16 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         self.gate.require_readable(p, keys)
         if request.mode not in (pb.GET_MODE_EACH, pb.GET_MODE_PREFIX):
             raise InvalidRequest(f"unknown get mode {request.mode}")
+        placement = None
+        if request.block_offsets or request.layer_stride:
+            if len(request.block_offsets) != len(keys):
+                raise InvalidRequest(f"{len(request.block_offsets)} block_offsets for {len(keys)} keys")
+            placement = Placement(tuple(request.block_offsets), request.layer_stride)
         sent = [0]  # blocks streamed; a stream that ends early (however) counts as a miss
         with self._region(call) as region:
             # Without a region there is nothing to lay out: region_layers then changes nothing.
             out = None if region is None else RegionWriter(region, request.region_offset, request.region_bytes,
-                                                           request.region_layers)
+                                                           request.region_layers, placement)
             try:
                 if request.mode == pb.GET_MODE_EACH:
                     self.gate.admit(p)

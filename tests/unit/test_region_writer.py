@@ -15,7 +15,7 @@ from kvtier.errors import InvalidRequest
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
 from kvtier.rpc.wire import carries_chunk, decode_message, encode_frame, message_chunks, wire_frame
-from kvtier.server.region_writer import REGION_MESSAGE_BYTES, RegionWriter, progress_points
+from kvtier.server.region_writer import REGION_MESSAGE_BYTES, Placement, RegionWriter, progress_points
 from tests.helpers import chain_blocks
 
 #: 12 layers: block [12, 2, 32, 2, 64] bf16, 192 KiB.
@@ -92,3 +92,46 @@ def test_a_layered_writer_refuses_blocks_of_another_shape_and_bad_layer_counts(r
     assert not out.place(1, chain_blocks(1, layout=other)[0]), "another layer count travels inline"
     with pytest.raises(InvalidRequest, match="region_layers"):
         RegionWriter(region, 0, 1 << 20, 5000)
+
+
+def test_a_placed_get_writes_each_layer_at_its_blocks_place_a_stride_apart(region) -> None:
+    blocks = chain_blocks(3, layout=LAY, scope=Scope.user("acme/alice"))
+    strip = blocks[0].nbytes // LAY.num_layers
+    stride = 64 * strip  # one layer's pages, then the next layer's
+    offsets = (4096 + 9 * strip, 4096 + 2 * strip, 4096 + 40 * strip)  # the pages of keys 0, 1, 2
+    out = RegionWriter(region, 4096, LAY.num_layers * stride, LAY.num_layers, Placement(offsets, stride))
+    before = region.window(0, 4096 + LAY.num_layers * stride).copy()
+    for i, b in enumerate(blocks):
+        assert out.place(i, wire_frame(b))
+    msgs = [decode_message(encode_frame(m)) for m in out.drain()]
+    assert [m.layers_ready for m in msgs] == [1, 2, 4, 8, 12]
+    assert [c.region_offset for c in message_chunks(msgs[0])] == list(offsets)
+    after = region.window(0, 4096 + LAY.num_layers * stride)
+    written = np.zeros(after.size, dtype=bool)
+    for b, at in zip(blocks, offsets, strict=True):
+        want = np.frombuffer(b.as_bytes_view(), dtype=np.uint8).reshape(LAY.num_layers, strip)
+        for s in range(LAY.num_layers):
+            assert np.array_equal(after[at + s * stride : at + s * stride + strip], want[s]), s
+            written[at + s * stride : at + s * stride + strip] = True
+    assert np.array_equal(after[~written], before[~written]), "nothing else in the window changed"
+
+
+def test_a_placed_get_refuses_places_outside_its_window_or_over_each_other(region) -> None:
+    blocks = chain_blocks(2, layout=LAY, scope=Scope.user("acme/alice"))
+    strip = blocks[0].nbytes // LAY.num_layers
+    stride = 8 * strip
+    window = LAY.num_layers * stride
+    with pytest.raises(InvalidRequest, match="region_layers"):
+        RegionWriter(region, 0, window, 0, Placement((0, strip), stride))
+    with pytest.raises(InvalidRequest, match="layer_stride"):
+        RegionWriter(region, 0, window, LAY.num_layers, Placement((0, strip), 0))
+    out = RegionWriter(region, strip, window, LAY.num_layers, Placement((0, 9 * strip), stride))
+    assert not out.place(0, blocks[0]), "before the window: travels inline"
+    assert not out.place(1, blocks[1]), "its last layer past the window: travels inline"
+    assert not out.place(2, blocks[1]), "a position with no place"
+    out = RegionWriter(region, 0, window, LAY.num_layers, Placement((0, strip // 2), stride))
+    assert out.place(0, blocks[0]) and out.place(1, blocks[1])
+    before = region.window(0, window).copy()
+    with pytest.raises(InvalidRequest, match="over each other"):
+        next(out.drain())
+    assert np.array_equal(region.window(0, window), before), "refused before any byte was copied"

@@ -64,7 +64,9 @@ class Daemon:
         self.dep = LocalDeployment(self.root / "dep", server_secret=b"engine-suite-server-secret-0123")
         # 4 blocks of this model in RAM (64 KiB each): a prompt's blocks spill to LMDB, where they
         # outlive a restart of the daemon (RAM does not).
-        self.dep.write_config(memory_bytes=4 * 64 << 10, disk_bytes=256 << 20, server={"log_level": "warning"})
+        # The engine's pages (VLLM_CPU_KVCACHE_SPACE, 1 GiB) attach as a region of their own.
+        self.dep.write_config(memory_bytes=4 * 64 << 10, disk_bytes=256 << 20,
+                              server={"log_level": "warning", "max_region_bytes": 2 << 30})
         self.engine_token = self.root / "engine.token"
         self.engine_token.write_text(self.dep.token("node1", "engine", roles=("engine",)))
         self.engine_token.chmod(0o600)
@@ -151,8 +153,10 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     sched, worker = connector_counters(st, "scheduler"), connector_counters(st, "worker")
     assert sched["load_tokens"] == 2 * full and worker["loaded_blocks"] == 2 * full // BT
     # Through the daemon's shared memory, layer by layer into the pages (the tokens above are
-    # identical with the forward pass starting on layer 0 while later layers were still landing).
+    # identical with the forward pass starting on layer 0 while later layers were still landing),
+    # written there by the daemon itself: the pages live in shared memory.
     assert worker["loaded_by_layer"] == 2 * full // BT
+    assert worker["pages_shared"] == 1 and worker["loaded_in_place"] == 2 * full // BT
     assert sched["salt_rejected"] >= 1, "the forged salt is refused (by the daemon) and counted"
     assert worker["load_failed_blocks"] == 0 and worker["saved_blocks"] >= full // BT
 
@@ -177,9 +181,13 @@ def test_fresh_engines_hit_the_daemon_and_lmdb_after_a_daemon_restart(world) -> 
     root, daemon, want = world
     alice = daemon.dep.salt("acme", "alice")
     run_engine(root, "run-b0", [{"tokens": P, "salt": alice}], kvtier=daemon.options(root / "run-b0"))
-    res = run_engine(root, "run-b1", [{"tokens": P, "salt": alice}], kvtier=daemon.options(root / "run-b1"))
+    # This engine keeps its pages private: the load lands in the channel's region and is copied.
+    res = run_engine(root, "run-b1", [{"tokens": P, "salt": alice}],
+                     kvtier=daemon.options(root / "run-b1", shared_pages=False))
     full = (len(P) - 1) // BT * BT
     assert res[0]["num_cached_tokens"] == full and res[0]["token_ids"] == want["P"], "(b) a fresh engine hits"
+    worker = connector_counters(root / "run-b1", "worker")
+    assert worker["loaded_by_layer"] == full // BT and "loaded_in_place" not in worker and "pages_shared" not in worker
     daemon.stop()
     daemon.start()  # RAM is gone; LMDB keeps the blocks
     before = daemon.tier_hits()

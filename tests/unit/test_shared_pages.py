@@ -1,0 +1,73 @@
+"""SharedPages: an engine's host KV pages moved, in place, into one sealed memory file.
+
+The tensors the engine holds (the views it registered and the model's own views of the same
+storages) must keep every byte and keep working; a write into the file is a write into the
+pages; layouts the file cannot describe are refused with PagesNotShared, the pages left as they
+were.
+"""
+
+from __future__ import annotations
+
+import fcntl
+
+import pytest
+import torch
+
+from connectors.shared_pages import PagesNotShared, SharedPages
+from kvtier.dataplane.region import REQUIRED_SEALS
+
+LAYERS, PAGES, PAGE_SHAPE = 3, 50, (2, 16, 4, 32)  # 8 KiB pages of bf16
+
+
+def per_layer_views() -> list[torch.Tensor]:
+    n = PAGES * 2 * 16 * 4 * 32
+    return [torch.randn(n + 24, dtype=torch.float32).to(torch.bfloat16)[:n].view(PAGES, *PAGE_SHAPE)
+            for _ in range(LAYERS)]
+
+
+def one_storage_views() -> list[torch.Tensor]:
+    n = PAGES * 2 * 16 * 4 * 32
+    raw = torch.randn(LAYERS * n, dtype=torch.float32).to(torch.bfloat16)
+    return [raw[i * n : (i + 1) * n].view(PAGES, *PAGE_SHAPE) for i in range(LAYERS)]
+
+
+@pytest.mark.parametrize("make", [per_layer_views, one_storage_views], ids=["storage-per-layer", "one-storage"])
+def test_the_pages_move_into_one_sealed_file_and_every_view_follows(make) -> None:
+    views = make()
+    model = [v.view(PAGES, -1) for v in views]
+    before = [v.clone() for v in views]
+    pages = SharedPages.share(views)
+    assert all(torch.equal(a, b) for a, b in zip(before, views, strict=True))
+    assert fcntl.fcntl(pages.fd, fcntl.F_GET_SEALS) & REQUIRED_SEALS == REQUIRED_SEALS
+    page_bytes = 2 * 16 * 4 * 32 * 2
+    assert pages.page_bytes == page_bytes and pages.num_pages == PAGES and pages.stride >= PAGES * page_bytes
+    target = pages.target([12, 3])
+    assert target.offsets == (pages.start + 12 * page_bytes, pages.start + 3 * page_bytes)
+    mem = pages.memory
+    for layer in range(LAYERS):
+        at = target.offsets[0] + layer * target.stride
+        mem[at : at + page_bytes] = layer + 1  # the daemon's write, as it lands
+    for layer in range(LAYERS):
+        assert bool((model[layer][12].view(torch.uint8) == layer + 1).all())
+        assert torch.equal(views[layer][11], before[layer][11]) and torch.equal(views[layer][13], before[layer][13])
+    views[1][3].fill_(2.5)  # the engine's write, seen in the file
+    at = target.offsets[1] + target.stride
+    assert torch.equal(mem[at : at + page_bytes].view(torch.bfloat16), torch.full((page_bytes // 2,), 2.5,
+                                                                                   dtype=torch.bfloat16))
+
+
+def test_layouts_the_file_cannot_describe_are_refused_and_left_alone() -> None:
+    n = PAGES * 2 * 16 * 4 * 32
+    raw = torch.randn(LAYERS * n + 7, dtype=torch.float32).to(torch.bfloat16)
+    uneven = [raw[o : o + n].view(PAGES, *PAGE_SHAPE) for o in (0, n, 2 * n + 7)]
+    ptr = raw.data_ptr()
+    with pytest.raises(PagesNotShared, match="evenly spaced"):
+        SharedPages.share(uneven)
+    assert raw.data_ptr() == ptr, "nothing moved"
+    interleaved = raw[: LAYERS * n].view(PAGES, LAYERS, *PAGE_SHAPE)  # block-major: a page is not a row
+    with pytest.raises(PagesNotShared, match="whole rows"):
+        SharedPages.share([interleaved[:, i] for i in range(LAYERS)])
+    with pytest.raises(PagesNotShared, match="meta"):
+        SharedPages.share([torch.empty(PAGES, *PAGE_SHAPE, device="meta") for _ in range(LAYERS)])
+    with pytest.raises(PagesNotShared, match="no layers"):
+        SharedPages.share([])
