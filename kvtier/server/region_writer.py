@@ -37,14 +37,15 @@ class RegionWriter:
     Block by block (``layers`` 0): each block is copied as it is placed, and a message
     (``take``) describes the blocks placed per ``REGION_MESSAGE_BYTES`` of payload. Layer by
     layer (``layers`` L > 0, ``GetRequest.region_layers``): blocks shaped ``[L, ...]`` of one size
-    are only given their place; ``drain``, at the end, copies layer 0 of every one of them (its
-    first 1/L), then layer 1, then layers 2-3, 4-7, ... (``progress_points``: one copy per
-    block and group) and says how far it got with ``layers_ready`` after each group, the first
-    time on the message that carries all their chunks. So the client can use layer s while
-    later layers are copied, and the stream has about log2(L) messages, not one per layer and
-    per few MiB: on a busy host each message costs the client a thread wake-up, which comes
-    late when the engine's forward pass holds the cores. Blocks of another shape or size than
-    the first are refused (they travel inline), as is everything after ``drain``.
+    are only given their place; ``drain``, at the end, sends all their chunks in one message,
+    then copies layer 0 of every one of them (its first 1/L), then layer 1, then layers 2-3,
+    4-7, ... (``progress_points``: one copy per block and group) and says how far it got with a
+    small ``layers_ready`` message after each group. So the client checks the chunks while layer
+    0 is copied and can use layer s while later layers are copied, and the stream has about
+    log2(L) + 1 messages, not one per layer and per few MiB: on a busy host each message costs
+    the client a thread wake-up, which comes late when the engine's forward pass holds the cores.
+    Blocks of another shape or size than the first are refused (they travel inline), as is
+    everything after ``drain``.
 
     With a ``Placement`` (layer by layer only), block i does not go to the next free bytes but
     layer s of it to ``offsets[i] + s * stride``: the caller's pages, so the client copies
@@ -117,7 +118,7 @@ class RegionWriter:
     def full(self) -> bool:
         """Enough placed for one message: block by block, the client copies those blocks out
         while the next ones are copied in (on two cores the work overlaps instead of adding up).
-        Layer by layer, never: the chunks go with the first progress message."""
+        Layer by layer, never: the chunks all go at once, before the first copy (``drain``)."""
         return not self._layers and self._pending_bytes >= REGION_MESSAGE_BYTES
 
     def take(self) -> Iterator[ChunkFrame]:
@@ -147,6 +148,9 @@ class RegionWriter:
         whole = self._region.array
         payloads = [(offset, np.frombuffer(_payload(item)[0], dtype=np.uint8).reshape(self._layers, strip))
                     for offset, item in items]
+        # Every chunk goes first, alone: the client checks them while layer 0 is being copied,
+        # so the message that says layer 0 landed is small and passes straight on.
+        yield from self.take()
         done = 0
         # One copy per block and group of layers (those between two progress points), not per
         # layer: fewer calls; nothing is reported in between.
@@ -155,7 +159,7 @@ class RegionWriter:
                 dst = np.ndarray((ready - done, strip), np.uint8, whole, offset + done * stride, (stride, 1))
                 np.copyto(dst, payload[done:ready])
             done = ready
-            msg = next(self.take(), None) or ChunkFrame(0, None, 0, b"", False, 0)
+            msg = ChunkFrame(0, None, 0, b"", False, 0)
             msg.layers_ready = ready
             yield msg
 

@@ -1,7 +1,7 @@
 """RegionWriter: where a Get over shared memory puts payloads, and the messages that say so.
 
-Block by block, a message per few MiB; laid out by layers, every chunk on the first progress
-message and progress after layers 1, 2, 4, ..., L only (each message costs the client a thread
+Block by block, a message per few MiB; laid out by layers, every chunk in one message before the
+first copy, then progress after layers 1, 2, 4, ..., L only (each message costs the client a thread
 wake-up, late on a busy host). Checked against a real sealed memfd region and the real codec.
 """
 
@@ -36,7 +36,7 @@ def test_progress_points_double_up_to_the_last_layer() -> None:
     assert progress_points(32) == {1, 2, 4, 8, 16, 32}
 
 
-def test_layered_get_sends_its_chunks_with_the_first_layer_and_progress_log2_times(region) -> None:
+def test_layered_get_sends_its_chunks_before_the_first_copy_and_progress_log2_times(region) -> None:
     blocks = chain_blocks(5, layout=LAY, scope=Scope.user("acme/alice"))
     frames = [wire_frame(b) for b in blocks]
     nbytes = blocks[0].nbytes
@@ -60,9 +60,11 @@ def test_layered_get_sends_its_chunks_with_the_first_layer_and_progress_log2_tim
             got = view[k * nbytes : (k + 1) * nbytes]
             want = np.frombuffer(b.as_bytes_view(), dtype=np.uint8)
             assert np.array_equal(got[: ready * strip], want[: ready * strip]), (ready, k)
+            if ready == 0:
+                assert not np.array_equal(got[:strip], want[:strip]), "the chunks leave before any copy"
         seen.append(ready)
         msgs.append(decode_message(encode_frame(msg)))
-    assert seen == [1, 2, 4, 8, 12]
+    assert seen == [0, 1, 2, 4, 8, 12]
     first, *rest = msgs
     assert carries_chunk(first) and [c.region_offset for c in message_chunks(first)] == \
         [4096 + k * nbytes for k in range(5)]
@@ -104,7 +106,7 @@ def test_a_placed_get_writes_each_layer_at_its_blocks_place_a_stride_apart(regio
     for i, b in enumerate(blocks):
         assert out.place(i, wire_frame(b))
     msgs = [decode_message(encode_frame(m)) for m in out.drain()]
-    assert [m.layers_ready for m in msgs] == [1, 2, 4, 8, 12]
+    assert [m.layers_ready for m in msgs] == [0, 1, 2, 4, 8, 12]
     assert [c.region_offset for c in message_chunks(msgs[0])] == list(offsets)
     after = region.window(0, 4096 + LAY.num_layers * stride)
     written = np.zeros(after.size, dtype=bool)
