@@ -22,13 +22,15 @@ the plans without overlap.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.errors import AccessDenied, ConfigError
-from kvtier.keys import ChainBlock, ScopeKind
+from kvtier.keys import BlockKey, ChainBlock, ScopeKind
 from kvtier.layout import KVLayout
 from kvtier.planning.cost_model import CostModel
 from kvtier.security.policy import Principal
@@ -63,6 +65,13 @@ class ScopeRule(ABC):
     def scope(self, cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
         """Scopes of the first ``n_blocks`` full blocks of ``tokens``."""
 
+    def scoped_lookup(self, cache: KVCache, principal: Principal, tokens: Sequence[int],
+                      n_blocks: int) -> tuple[ScopedPrompt, Lookup]:
+        """``scope``, then the lookup of the keys it gives (``scoped_chain``): what an engine's
+        scheduler asks per request."""
+        prompt = self.scope(cache, principal, tokens, n_blocks)
+        return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
+
 
 class PrivateRule(ScopeRule):
     name = "private"
@@ -72,16 +81,66 @@ class PrivateRule(ScopeRule):
 
 
 class PublicRegistryRule(ScopeRule):
+    """The published prefix, from the registry (a lookup of the request's head as public blocks).
+
+    ``scoped_lookup`` also remembers, per document (its first public key), how far the registry
+    said it was published and that block's key; a later request whose head has the same keys up
+    to there is looked up with that cut directly, one lookup instead of two. Only an answer that
+    ends exactly at the cut is ambiguous (nothing private cached yet, or more of the document
+    published since): then the registry is asked, as without a guess. Every hit still comes
+    from a lookup of the request's own keys; a stale guess can only cost hits, never widen a scope
+    (the guessed blocks are the registry's own public blocks, matched key for key).
+    """
+
     name = "public-registry"
+    #: Documents remembered (least recently used first out).
+    KNOWN = 4096
+
+    def __init__(self, private_kind: ScopeKind = ScopeKind.USER) -> None:
+        super().__init__(private_kind)
+        self._known: OrderedDict[BlockKey, tuple[int, BlockKey]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def scope(self, cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
-        bt = cache.layout().block_tokens
-        head = tuple(tokens[: n_blocks * bt])
-        if not head:
-            return ScopedPrompt(tuple(tokens), 0, self.private_kind)
-        public = cache.chain(principal, [RequestSegment(head, ScopeKind.PUBLIC)])
-        published = cache.lookup(principal, public).length
+        public = self._public_chain(cache, principal, tokens, n_blocks)
+        published = cache.lookup(principal, public).length if public else 0
         return ScopedPrompt(tuple(tokens), published, self.private_kind)
+
+    def scoped_lookup(self, cache: KVCache, principal: Principal, tokens: Sequence[int],
+                      n_blocks: int) -> tuple[ScopedPrompt, Lookup]:
+        public = self._public_chain(cache, principal, tokens, n_blocks)
+        if not public:
+            prompt = ScopedPrompt(tuple(tokens), 0, self.private_kind)
+            return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
+        guessed: tuple[ScopedPrompt, Lookup] | None = None
+        with self._lock:
+            known = self._known.get(public[0].key)
+            if known is not None:
+                self._known.move_to_end(public[0].key)
+        if known is not None and known[0] <= len(public) and public[known[0] - 1].key == known[1]:
+            prompt = ScopedPrompt(tuple(tokens), known[0], self.private_kind)
+            lookup = cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
+            if lookup.length != known[0] or known[0] == n_blocks:
+                return prompt, lookup
+            guessed = prompt, lookup
+        published = cache.lookup(principal, public).length
+        with self._lock:
+            if published:
+                self._known[public[0].key] = (published, public[published - 1].key)
+                self._known.move_to_end(public[0].key)
+                while len(self._known) > self.KNOWN:
+                    self._known.popitem(last=False)
+            else:
+                self._known.pop(public[0].key, None)
+        if guessed is not None and guessed[0].public_blocks == published:
+            return guessed  # the registry agrees with the guess: its lookup stands
+        prompt = ScopedPrompt(tuple(tokens), published, self.private_kind)
+        return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
+
+    @staticmethod
+    def _public_chain(cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> list[ChainBlock]:
+        head = tuple(tokens[: n_blocks * cache.layout().block_tokens])
+        return cache.chain(principal, [RequestSegment(head, ScopeKind.PUBLIC)]) if head else []
 
 
 SCOPE_RULES: dict[str, Callable[[ScopeKind], ScopeRule]] = {

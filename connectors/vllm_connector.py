@@ -274,9 +274,7 @@ class KvtierConnector(KVConnectorBase_V1):
         n_blocks = (len(tokens) - 1) // self.block_tokens
         try:
             cache, principal = tenant.cache, tenant.principal
-            prompt = self.rule.scope(cache, principal, tokens, n_blocks)
-            chain = scoped_chain(cache, principal, prompt, n_blocks)
-            lookup = cache.lookup(principal, chain)
+            prompt, lookup = self.rule.scoped_lookup(cache, principal, tokens, n_blocks)
         except AccessDenied:  # revoked or rate-limited principal: served without kvtier
             self.stats["lookup_refused"] += 1
             return 0, False

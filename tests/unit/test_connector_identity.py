@@ -126,3 +126,49 @@ def test_config_provider_opens_the_tiers_of_a_kvtier_toml(tmp_path: Path) -> Non
         assert cache.lookup(Principal("globex", "bob"), chain).length == 0
     finally:
         forget_shared_caches()
+
+
+def test_public_registry_remembers_a_documents_cut_and_asks_once_when_it_can() -> None:
+    """``scoped_lookup`` gives what ``scope`` + ``scoped_chain`` + ``lookup`` give, with one lookup
+    instead of two for a prompt whose document it has seen, and two (or three) whenever the one
+    lookup cannot tell (its answer ends at the remembered cut)."""
+    cache = _cache()
+    block = [torch.zeros(LAYOUT.block_shape, dtype=torch.float16)]
+    doc, ext, q1, q2 = list(range(8)), list(range(8, 12)), list(range(100, 113)), list(range(200, 213))
+    publisher = Principal("ops", "pub", roles=frozenset({ROLE_PUBLISH_PUBLIC}))
+    alice = Principal("acme", "alice")
+    cache.save(publisher, cache.chain(publisher, [RequestSegment(doc[:8], ScopeKind.PUBLIC)]), block * 2)
+    asked: list[int] = []
+    real_lookup = cache.lookup
+
+    def counted(principal, chain):
+        asked.append(len(chain))
+        return real_lookup(principal, chain)
+
+    cache.lookup = counted  # the real lookup, counted
+    rule, plain = scope_rule("public-registry"), scope_rule("public-registry")
+
+    def both(tokens: list[int], n: int):
+        asked.clear()
+        prompt, lk = rule.scoped_lookup(cache, alice, tokens, n)
+        calls = len(asked)
+        want = plain.scope(cache, alice, tokens, n)
+        want_lk = real_lookup(alice, scoped_chain(cache, alice, want, n))
+        return prompt, lk, want, want_lk, calls
+
+    prompt, lk, want, want_lk, calls = both(doc + q1, 5)
+    assert (prompt, lk.length, calls) == (want, want_lk.length, 2) and prompt.public_blocks == 2
+    # alice's private blocks after the document, as her engine saves them
+    cache.save(alice, scoped_chain(cache, alice, prompt, 5)[2:], block * 3)
+    prompt, lk, want, want_lk, calls = both(doc + q1, 5)
+    assert (prompt, lk.length, calls) == (want, 5, 1), "the same prompt again: one lookup"
+    prompt, lk, want, want_lk, calls = both(doc + q2, 5)
+    assert (prompt, lk.length, calls) == (want, 2, 2), "a new question: the answer ends at the cut, ask"
+    # More of the document published: a lookup that ends at the old cut finds the new one.
+    cache.save(publisher, cache.chain(publisher, [RequestSegment(doc + ext, ScopeKind.PUBLIC)])[2:], block)
+    prompt, lk, want, want_lk, calls = both(doc + ext + q2, 5)
+    assert (prompt.public_blocks, lk.length, calls) == (3, 3, 3) and prompt == want
+    # Another head that shares only the first block: the remembered cut does not match its keys.
+    other = doc[:4] + list(range(50, 58)) + q1
+    prompt, lk, want, want_lk, calls = both(other, 5)
+    assert (prompt, lk.length, calls) == (want, want_lk.length, 2) and prompt.public_blocks == 1
