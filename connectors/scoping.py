@@ -13,7 +13,8 @@ into a shared scope:
   only ever match public blocks whose tokens equal its own, so nothing private is revealed, and
   the engine never writes a public block on a request's behalf (the connector saves only the
   private part). Probing whether a public document is cached is possible by design, as for any
-  public content (see docs/security.md and KVCache's timing mitigations).
+  public content (see docs/security.md and KVCache's timing mitigations). ``scoped_lookup``
+  remembers each document's published cut, so a repeated one costs one lookup, not two.
 
 ``load_decision`` asks the cost model (when the engine has one) how much of a cached prefix to
 reload; engines that cannot compute the front of a prompt while loading its back consider only
