@@ -37,7 +37,12 @@ from kvtier.store.layer_sink import PageTarget
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 _MAP_FIXED = 0x10  # Linux; not exported by Python's mmap module
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+#: Bytes moved per step: torch's copy of a step is freed before the next, so moving a KV cache
+#: needs about one step of memory beyond torch's own copy, not a second whole cache.
+STEP = 64 << 20
 
 
 class PagesNotShared(KvtierError):
@@ -127,14 +132,19 @@ def _move(storage: torch.UntypedStorage, region: SharedRegion, offset: int) -> N
     if addr % PAGE:
         raise PagesNotShared("torch's shared storage is not page-aligned")
     length = _whole_pages(nbytes)
-    ctypes.memmove(region.array.ctypes.data + offset, addr, nbytes)
-    got = _libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
-                     region.fd, offset)
-    if got != addr:
-        err = ctypes.get_errno()
-        raise PagesNotShared(f"mapping the pages over their storage failed: {os.strerror(err)}")
-    # torch's shared file is mapped nowhere now; its bytes would only hold memory. torch still
-    # closes its descriptor and unmaps these addresses when the storage is freed.
+    base = region.array.ctypes.data + offset
+    for at in range(0, length, STEP):
+        n = min(STEP, length - at)
+        ctypes.memmove(base + at, addr + at, min(n, nbytes - at))
+        got = _libc.mmap(addr + at, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
+                         region.fd, offset + at)
+        if got != addr + at:
+            err = ctypes.get_errno()
+            raise PagesNotShared(f"mapping the pages over their storage failed: {os.strerror(err)}")
+        # That part of torch's shared file is mapped nowhere now: give its memory back at once.
+        # (Only an optimisation of the peak: where punching fails, the truncation below frees it.)
+        _libc.fallocate(torch_fd, _PUNCH_HOLE, at, n)
+    # torch still closes its descriptor and unmaps these addresses when the storage is freed.
     os.ftruncate(torch_fd, 0)
 
 

@@ -71,3 +71,16 @@ def test_layouts_the_file_cannot_describe_are_refused_and_left_alone() -> None:
         SharedPages.share([torch.empty(PAGES, *PAGE_SHAPE, device="meta") for _ in range(LAYERS)])
     with pytest.raises(PagesNotShared, match="no layers"):
         SharedPages.share([])
+
+
+def test_a_large_storage_moves_in_steps_and_keeps_every_byte(monkeypatch) -> None:
+    import connectors.shared_pages as shared_pages
+
+    monkeypatch.setattr(shared_pages, "STEP", 3 * 4096)  # many steps, one of them partial
+    views = one_storage_views()
+    before = [v.clone() for v in views]
+    pages = SharedPages.share(views)
+    assert all(torch.equal(a, b) for a, b in zip(before, views, strict=True))
+    views[2][PAGES - 1].fill_(-1.0)
+    at = pages.start + 2 * pages.stride + (PAGES - 1) * pages.page_bytes
+    assert bool((pages.memory[at : at + pages.page_bytes].view(torch.bfloat16) == -1.0).all())
