@@ -310,7 +310,10 @@ class GrpcTier(Tier):
     def get_layers(self, keys: Sequence[BlockKey], sink: LayerSink) -> list[Block | None]:
         """``get`` over shared memory laid out layer by layer (``GetRequest.region_layers``):
         ``sink`` takes each layer of the blocks placed there as soon as it lands (see
-        storage_backends.layer_major). Inline (no shared memory), the sink is never called."""
+        storage_backends.layer_major). When the sink's own pages are in shared memory
+        (``sink.pages``) and the daemon maps them, it writes each block there: the sink is told
+        of each layer with no rows and the read returns PlacedBlocks. Inline (no shared memory),
+        the sink is never called."""
         return self._read(keys, None, pb.GET_MODE_EACH, sink)
 
     def get_prefix(self, keys: Sequence[BlockKey]) -> list[Block]:
