@@ -19,6 +19,9 @@ the caller's own pages, in a region of their own. The daemon writes layer s of k
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
+
 import numpy as np
 import torch
 
@@ -29,7 +32,48 @@ from kvtier.store.layer_sink import LayerSink, PageTarget
 _NOTHING = np.empty(0, dtype=np.uint8)
 
 
-class LayerMajorShare:
+B = TypeVar("B", Block, PlacedBlock)
+
+
+class _LayerProgress(ABC, Generic[B]):
+    """What both kinds of layered Get keep: the blocks described so far and how many of their
+    layers have landed; ``ready`` hands each new layer to the sink (``_rows`` says with which
+    bytes), ``done`` hands the blocks out only once every layer has."""
+
+    def __init__(self, sink: LayerSink) -> None:
+        self._sink = sink
+        self.layers = sink.layers
+        self._blocks: list[tuple[int, B]] = []
+        self._ready = 0
+
+    def placed(self, position: int, block: B) -> None:
+        self._blocks.append((position, block))
+
+    def ready(self, layers: int) -> None:
+        """A ``layers_ready`` message: hand the new layers to the sink."""
+        if not self._blocks or not self._ready < layers <= self.layers:
+            raise InvalidRequest(f"layers_ready {layers} after {self._ready} of {self.layers} for "
+                                 f"{len(self._blocks)} blocks laid out by layers")
+        positions = [p for p, _ in self._blocks]
+        for s in range(self._ready, layers):
+            self._sink.layer(s, positions, self._rows(s))
+            self._ready = s + 1
+
+    @abstractmethod
+    def _rows(self, layer: int) -> torch.Tensor | None:
+        """What the sink gets for layer ``layer`` of every block (None: already where it belongs)."""
+
+    def done(self) -> list[tuple[int, B]]:
+        """The blocks, once every layer has landed (none before)."""
+        return self._blocks if self._ready == self.layers else []
+
+    @property
+    def incomplete(self) -> int:
+        """Blocks described but not (yet) whole: never handed out."""
+        return 0 if self._ready == self.layers else len(self._blocks)
+
+
+class LayerMajorShare(_LayerProgress[Block]):
     """One layer-by-layer Get's blocks in a share; used by that call's thread only.
 
     Invariants: ``_blocks`` lie back to back from the share's start, block k at ``k * block``;
@@ -39,13 +83,10 @@ class LayerMajorShare:
 
     def __init__(self, share: torch.Tensor, share_offset: int, sink: LayerSink) -> None:
         assert share.dtype == torch.uint8 and share.dim() == 1 and share.is_contiguous()
+        super().__init__(sink)
         self._share = share  # the whole share (the daemon's window), uint8
         self._offset = share_offset  # where the share starts in the region
-        self._sink = sink
-        self.layers = sink.layers
         self._block = 0
-        self._blocks: list[tuple[int, Block]] = []
-        self._ready = 0
         self._placed = 0  # placements checked so far
 
     def check(self, offset: int, nbytes: int) -> None:
@@ -65,32 +106,14 @@ class LayerMajorShare:
         lo = self._share.data_ptr()
         return lo <= block.data.data_ptr() < lo + self._share.numel()
 
-    def placed(self, position: int, block: Block) -> None:
-        self._blocks.append((position, block))
-
-    def ready(self, layers: int) -> None:
-        """A ``layers_ready`` message: hand the new layers to the sink."""
-        if not self._blocks or not self._ready < layers <= self.layers:
-            raise InvalidRequest(f"layers_ready {layers} after {self._ready} of {self.layers} for "
-                                 f"{len(self._blocks)} blocks laid out by layers")
-        n, strip = len(self._blocks), self._block // self.layers
-        positions = [p for p, _ in self._blocks]
-        for s in range(self._ready, layers):
-            rows = self._share.as_strided((n, strip), (self._block, 1), self._share.storage_offset() + s * strip)
-            self._sink.layer(s, positions, rows)
-            self._ready = s + 1
-
-    def done(self) -> list[tuple[int, Block]]:
-        """The blocks, once every layer has landed (none before)."""
-        return self._blocks if self._ready == self.layers else []
-
-    @property
-    def incomplete(self) -> int:
-        """Blocks described but not (yet) whole: never handed out."""
-        return 0 if self._ready == self.layers else len(self._blocks)
+    def _rows(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of every block: rows a block apart in the share."""
+        strip = self._block // self.layers
+        return self._share.as_strided((len(self._blocks), strip), (self._block, 1),
+                                      self._share.storage_offset() + layer * strip)
 
 
-class PlacedShare:
+class PlacedShare(_LayerProgress[PlacedBlock]):
     """One placed Get's blocks (see the module docstring); used by that call's thread only.
 
     Invariants: a block is taken only where the request put its key (``offsets[position]``), with
@@ -100,14 +123,11 @@ class PlacedShare:
 
     def __init__(self, target: PageTarget, sink: LayerSink, n_keys: int) -> None:
         assert len(target.offsets) >= n_keys
-        self._sink = sink
-        self.layers = sink.layers
+        super().__init__(sink)
         self.offsets = target.offsets[:n_keys]
         self.stride = target.stride
         self._memory_bytes = target.memory.numel()
         self._at = -1  # where the chunk being taken says its block lies
-        self._blocks: list[tuple[int, PlacedBlock]] = []
-        self._ready = 0
 
     def window(self, offset: int, nbytes: int) -> np.ndarray:
         """The assembler's view of the region: only where the chunk says its block lies (its bytes
@@ -130,25 +150,8 @@ class PlacedShare:
     def holds(self, block: Block | PlacedBlock) -> bool:
         return isinstance(block, PlacedBlock)
 
-    def placed(self, position: int, block: PlacedBlock) -> None:
-        self._blocks.append((position, block))
-
-    def ready(self, layers: int) -> None:
-        """A ``layers_ready`` message: tell the sink (no rows: the layers are where they belong)."""
-        if not self._blocks or not self._ready < layers <= self.layers:
-            raise InvalidRequest(f"layers_ready {layers} after {self._ready} of {self.layers} for "
-                                 f"{len(self._blocks)} placed blocks")
-        positions = [p for p, _ in self._blocks]
-        for s in range(self._ready, layers):
-            self._sink.layer(s, positions, None)
-            self._ready = s + 1
-
-    def done(self) -> list[tuple[int, PlacedBlock]]:
-        return self._blocks if self._ready == self.layers else []
-
-    @property
-    def incomplete(self) -> int:
-        return 0 if self._ready == self.layers else len(self._blocks)
+    def _rows(self, layer: int) -> None:
+        return None  # the layers are where they belong: nothing to hand over
 
 
 __all__ = ["LayerMajorShare", "PlacedShare"]
