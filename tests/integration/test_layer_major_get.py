@@ -22,7 +22,7 @@ from kvtier.server.daemon import Daemon
 from kvtier.store.layer_sink import LayerSink
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.layer_major import LayerMajorShare
-from tests.helpers import SECRET, chain_blocks
+from tests.helpers import chain_blocks
 
 #: 4 layers of 16 KiB: a block is [4, 2, 32, 4, 64] bf16 (64 KiB).
 LAY = KVLayout("layer-major-test", num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16", block_tokens=32)
@@ -49,15 +49,6 @@ def assert_rows_are_layers(sink: Recording, blocks: list[Block | None]) -> None:
             assert block is not None and torch.equal(rows[k], layer_bytes(block, index)), f"layer {index} of {p}"
 
 
-@pytest.fixture
-def deployment(tmp_path):
-    dep = LocalDeployment(tmp_path / "d", server_secret=SECRET)
-    dep.write_config(memory_bytes=256 << 20)
-    daemon = Daemon(dep.config()).start()
-    yield dep, daemon
-    daemon.stop(grace_s=0)
-
-
 def _tier(dep: LocalDeployment, daemon: Daemon, **kw) -> GrpcTier:
     return GrpcTier(GrpcTierConfig(daemon.address, dep.token("acme", "alice", session="s1"), timeout_s=10.0, **kw))
 
@@ -68,8 +59,8 @@ def _stored(tier: GrpcTier, n: int, layout: KVLayout = LAY, seed: int = 0) -> li
     return blocks
 
 
-def test_every_layer_reaches_the_sink_in_order_and_the_blocks_are_exact(deployment) -> None:
-    dep, daemon = deployment
+def test_every_layer_reaches_the_sink_in_order_and_the_blocks_are_exact(memory_daemon) -> None:
+    dep, daemon = memory_daemon
     tier = _tier(dep, daemon, data_plane="shm")
     blocks = _stored(tier, 12)
     sink = Recording(LAY.num_layers)
@@ -83,8 +74,8 @@ def test_every_layer_reaches_the_sink_in_order_and_the_blocks_are_exact(deployme
     tier.close()
 
 
-def test_blocks_past_the_share_come_inline_and_the_sink_hears_only_of_the_rest(deployment) -> None:
-    dep, daemon = deployment
+def test_blocks_past_the_share_come_inline_and_the_sink_hears_only_of_the_rest(memory_daemon) -> None:
+    dep, daemon = memory_daemon
     tier = _tier(dep, daemon, data_plane="shm", region_bytes=1 << 20)  # a call's share: at most half of it
     blocks = _stored(tier, 32)  # 2 MiB
     sink = Recording(LAY.num_layers)
@@ -96,8 +87,8 @@ def test_blocks_past_the_share_come_inline_and_the_sink_hears_only_of_the_rest(d
     assert_rows_are_layers(sink, blocks)
 
 
-def test_a_miss_leaves_a_hole_and_the_sink_is_not_complete(deployment) -> None:
-    dep, daemon = deployment
+def test_a_miss_leaves_a_hole_and_the_sink_is_not_complete(memory_daemon) -> None:
+    dep, daemon = memory_daemon
     tier = _tier(dep, daemon, data_plane="shm")
     blocks = _stored(tier, 5)
     absent = chain_blocks(1, layout=LAY, scope=Scope.user("acme/alice"), seed=9, token_base=10_000)[0]
@@ -109,8 +100,8 @@ def test_a_miss_leaves_a_hole_and_the_sink_is_not_complete(deployment) -> None:
     assert_rows_are_layers(sink, got)
 
 
-def test_other_shapes_and_the_inline_path_never_call_the_sink(deployment) -> None:
-    dep, daemon = deployment
+def test_other_shapes_and_the_inline_path_never_call_the_sink(memory_daemon) -> None:
+    dep, daemon = memory_daemon
     tier = _tier(dep, daemon, data_plane="shm")
     blocks = _stored(tier, 3)
     sink = Recording(LAY.num_layers - 1)  # the blocks are [4, ...]: not laid out in 3 layers
@@ -124,8 +115,8 @@ def test_other_shapes_and_the_inline_path_never_call_the_sink(deployment) -> Non
     assert sink.got == []
 
 
-def test_too_many_layers_is_refused_and_nothing_is_read(deployment) -> None:
-    dep, daemon = deployment
+def test_too_many_layers_is_refused_and_nothing_is_read(memory_daemon) -> None:
+    dep, daemon = memory_daemon
     tier = _tier(dep, daemon, data_plane="shm")
     blocks = _stored(tier, 1)
     sink = Recording(5000)
@@ -136,8 +127,8 @@ def test_too_many_layers_is_refused_and_nothing_is_read(deployment) -> None:
     assert got[0] is not None and got[0].equal_bytes(blocks[0])
 
 
-def test_a_sink_that_fails_ends_the_call_and_the_tier_goes_on(deployment) -> None:
-    dep, daemon = deployment
+def test_a_sink_that_fails_ends_the_call_and_the_tier_goes_on(memory_daemon) -> None:
+    dep, daemon = memory_daemon
     tier = _tier(dep, daemon, data_plane="shm")
     blocks = _stored(tier, 4)
 

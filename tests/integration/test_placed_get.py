@@ -71,15 +71,6 @@ def layer_of(block: Block, layer: int) -> torch.Tensor:
     return block.data[layer]
 
 
-@pytest.fixture
-def deployment(tmp_path):
-    dep = LocalDeployment(tmp_path / "d", server_secret=SECRET)
-    dep.write_config(memory_bytes=256 << 20)
-    daemon = Daemon(dep.config()).start()
-    yield dep, daemon
-    daemon.stop(grace_s=0)
-
-
 def _tier(dep: LocalDeployment, daemon: Daemon, token: str | None = None, **kw) -> GrpcTier:
     return GrpcTier(GrpcTierConfig(daemon.address, token or dep.token("acme", "alice", session="s1"), timeout_s=10.0,
                                    data_plane="shm", **kw))
@@ -92,8 +83,8 @@ def _stored(tier: GrpcTier, n: int) -> list[Block]:
 
 
 @pytest.mark.parametrize("one_storage", [False, True], ids=["storage-per-layer", "one-storage"])
-def test_blocks_land_in_their_pages_with_no_copy_here(deployment, one_storage) -> None:
-    dep, daemon = deployment
+def test_blocks_land_in_their_pages_with_no_copy_here(memory_daemon, one_storage) -> None:
+    dep, daemon = memory_daemon
     tier = _tier(dep, daemon)
     blocks = _stored(tier, 6)
     views = engine_pages(one_storage)
@@ -148,8 +139,8 @@ def _raw_get(daemon: Daemon, handle: str, token: str, **fields) -> list[pb.Block
         return list(get(pb.GetRequest(mode=pb.GET_MODE_EACH, **fields), metadata=md, timeout=10))
 
 
-def test_bad_placements_are_refused_before_a_byte_is_written(deployment) -> None:
-    dep, daemon = deployment
+def test_bad_placements_are_refused_before_a_byte_is_written(memory_daemon) -> None:
+    dep, daemon = memory_daemon
     token = dep.token("acme", "alice", session="s1")
     tier = _tier(dep, daemon, token)
     blocks = _stored(tier, 3)
