@@ -58,6 +58,7 @@ from kvtier.rpc.wire import (
     ResponseSlots,
     carries_chunk,
     decode_message,
+    describes_placed,
     encode_frame,
     meta_to_msg,
     pack_blocks,
@@ -425,14 +426,22 @@ class GrpcTier(Tier):
 
         # A client trusts blocks the daemon verified (admission, disk, S3) and placed in shared
         # memory; inline blocks are hashed end to end as ever.
-        asm = BlockAssembler(allocate, ResponseSlots(keys).place, region=window, verify_region=False,
+        slots = ResponseSlots(keys)
+        asm = BlockAssembler(allocate, slots.place, region=window, verify_region=False,
                              adopt=adopt if outs is None and take is None else None, take=take)
+        placed_bytes = 0  # bytes of the blocks described as placed (they never pass through the assembler)
         stream = self._get(request, timeout=self.config.timeout_s, metadata=self._metadata(named))
         try:
             for msg in stream:
                 # Laid out by layers, progress (layers_ready) comes alone or on the message that
                 # carries the chunks of the blocks it is about (see RegionWriter).
-                if carries_chunk(msg) or not msg.layers_ready:
+                if describes_placed(msg):
+                    if not isinstance(layered, PlacedShare):
+                        raise InvalidRequest("placed blocks described on a Get that placed none")
+                    for pos, placed_block in layered.describe(msg, slots):
+                        layered.placed(pos, placed_block)
+                        placed_bytes += placed_block.nbytes
+                elif carries_chunk(msg) or not msg.layers_ready:
                     for pos, blk in asm.feed_message(msg):
                         if layered is not None and layered.holds(blk):
                             layered.placed(pos, blk)  # handed out once every layer has landed
@@ -444,7 +453,7 @@ class GrpcTier(Tier):
                     layered.ready(msg.layers_ready)
             if layered is not None and layered.incomplete:
                 raise InvalidRequest(f"the stream ended with {layered.incomplete} blocks laid out by layers incomplete")
-            self._ch.session.moved("get", asm.region_bytes)
+            self._ch.session.moved("get", asm.region_bytes + placed_bytes)
         except grpc.RpcError as exc:
             err = error_from(exc)
             if isinstance(err, RegionUnavailable) or not self._degrade(err):

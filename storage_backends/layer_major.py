@@ -14,7 +14,8 @@ blocks become misses, never wrong bytes.
 ``PlacedShare`` is the same for a Get that names each block's place (``GetRequest.block_offsets``):
 the caller's own pages, in a region of their own. The daemon writes layer s of key i's block at
 ``offsets[i] + s * stride``; nothing is copied on this side, and the blocks come out as
-``PlacedBlock``s (their bytes are in the pages).
+``PlacedBlock``s (their bytes are in the pages). The daemon describes them together
+(``BlockChunk.placed``, taken by ``describe``), or a chunk each (``take``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import torch
 
 from kvtier.block import Block, BlockMeta, PlacedBlock
 from kvtier.errors import InvalidRequest
+from kvtier.keys import DOMAIN_BYTES, LAYOUT_TAG_BYTES, key_domain
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc.wire import ResponseSlots, check_key, meta_from_msg
 from kvtier.store.layer_sink import LayerSink, PageTarget
 
 _NOTHING = np.empty(0, dtype=np.uint8)
@@ -146,6 +150,38 @@ class PlacedShare(_LayerProgress[PlacedBlock]):
         if self._at + (self.layers - 1) * self.stride + meta.nbytes // self.layers > self._memory_bytes:
             raise InvalidRequest("a placed block's last layer lies past the pages")
         return PlacedBlock(meta, self._at)
+
+    def describe(self, msg: pb.BlockChunk, slots: ResponseSlots) -> list[tuple[int, PlacedBlock]]:
+        """The blocks a ``BlockChunk.placed`` message describes, each at its key's place, checked
+        as ``take`` checks one (InvalidRequest before any is accepted)."""
+        if self._ready:
+            raise InvalidRequest("placed blocks described after their group's layers")
+        n = len(msg.placed)
+        if not n or len(msg.placed_parents) != n or len(msg.placed_indices) != n or not msg.HasField("meta"):
+            raise InvalidRequest("a placed description needs a meta and one parent and index per position")
+        if (msg.position or msg.offset or msg.data or msg.last or msg.checksum or len(msg.more) or msg.in_region
+                or msg.region_offset or msg.layers_ready):
+            raise InvalidRequest("a placed description carries no other chunk field")
+        first = meta_from_msg(msg.meta)
+        shape = first.shape
+        if not shape or shape[0] != self.layers or first.nbytes % self.layers:
+            raise InvalidRequest(f"a placed block must have {self.layers} layers, got shape {shape}")
+        tag = first.key[DOMAIN_BYTES : DOMAIN_BYTES + LAYOUT_TAG_BYTES]
+        strip = first.nbytes // self.layers
+        out: list[tuple[int, PlacedBlock]] = []
+        for position, parent, index in zip(msg.placed, msg.placed_parents, msg.placed_indices, strict=True):
+            key = slots.at(position)
+            if key[DOMAIN_BYTES : DOMAIN_BYTES + LAYOUT_TAG_BYTES] != tag:
+                raise InvalidRequest("a placed block's key is of another layout than the description's meta")
+            at = self.offsets[position]
+            if at + (self.layers - 1) * self.stride + strip > self._memory_bytes:
+                raise InvalidRequest("a placed block's last layer lies past the pages")
+            meta = BlockMeta(key, key_domain(key), first.layout_fp, check_key(parent, "placed_parents") if parent
+                             else None, index, first.dtype, shape)
+            out.append((position, PlacedBlock(meta, at)))
+        if out[0][1].key != first.key:
+            raise InvalidRequest("a placed description's meta is not its first block's")
+        return out
 
     def holds(self, block: Block | PlacedBlock) -> bool:
         return isinstance(block, PlacedBlock)

@@ -89,6 +89,8 @@ def payload_view(block: Block) -> memoryview:
 # protobuf client or server interoperates; tests/unit/test_server_wire.py checks both directions.
 _T_POSITION, _T_META, _T_OFFSET, _T_DATA, _T_LAST, _T_CHECKSUM, _T_MORE = 0x08, 0x12, 0x18, 0x22, 0x28, 0x30, 0x3A
 _T_IN_REGION, _T_REGION_OFFSET, _T_LAYERS_READY = 0x40, 0x48, 0x50
+#: BlockChunk.placed, placed_parents, placed_indices: only ever in a small message (see _decode).
+_PLACED_FIELDS = frozenset({11, 12, 13})
 #: Upper bound of a chunk's encoded bytes besides its payload and meta (tags, varints, the ``more``
 #: entry that wraps it): what ``pack_blocks`` adds per chunk when it fills a message.
 FRAME_OVERHEAD = 64
@@ -217,6 +219,8 @@ def _decode(mv: memoryview, *, nested: bool) -> ChunkFrame:
     while i < len(mv):
         tag, i = _read_varint(mv, i)
         wire = tag & 7
+        if tag >> 3 in _PLACED_FIELDS:  # skipping them would lose blocks without a word
+            raise ValueError("placed blocks are described in messages of at most SMALL_MESSAGE_BYTES")
         if wire == 0:
             v, i = _read_varint(mv, i)
             if tag == _T_POSITION:
@@ -427,6 +431,14 @@ class ResponseSlots:
         self._next = position + 1
         return position
 
+    def at(self, position: int) -> BlockKey:
+        """The key of an explicitly named ``position`` (a placed block's), taken as ``place`` takes it."""
+        if not self._next <= position < len(self._keys):
+            raise InvalidRequest(f"daemon described a block for position {position} that was not asked for "
+                                 "(or out of order)")
+        self._next = position + 1
+        return self._keys[position]
+
 
 def carries_chunk(msg: ChunkFrame | pb.BlockChunk) -> bool:
     """Whether a message carries a chunk of a block (meta, payload or a place in the region), not
@@ -434,6 +446,13 @@ def carries_chunk(msg: ChunkFrame | pb.BlockChunk) -> bool:
     if isinstance(msg, ChunkFrame):
         return msg.meta is not None or bool(len(msg.data)) or msg.in_region or msg.last or bool(msg.more)
     return msg.HasField("meta") or bool(msg.data) or msg.in_region or msg.last or bool(len(msg.more))
+
+
+def describes_placed(msg: ChunkFrame | pb.BlockChunk) -> bool:
+    """Whether a message describes blocks placed at their keys' places (``BlockChunk.placed``)
+    rather than carrying chunks."""
+    return isinstance(msg, pb.BlockChunk) and bool(len(msg.placed) or len(msg.placed_parents)
+                                                   or len(msg.placed_indices))
 
 
 def message_chunks(msg: ChunkFrame | pb.BlockChunk) -> list[ChunkFrame | pb.BlockChunk]:

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.block import Block
+from kvtier.block import Block, BlockMeta
 from kvtier.dataplane.region import SharedRegion
 from kvtier.errors import InvalidRequest
+from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc.wire import ChunkFrame, WireFrame, meta_to_msg
 from kvtier.store.tiered_store import Readable
 
@@ -18,6 +19,9 @@ from kvtier.store.tiered_store import Readable
 REGION_MESSAGE_BYTES = 4 << 20
 #: The most layers a Get laid out by layers may ask for (``GetRequest.region_layers``).
 MAX_REGION_LAYERS = 4096
+#: Placed blocks described per message (``BlockChunk.placed``): some 70 bytes each, so a message
+#: stays well inside what a client parses with protobuf's C parser (``wire.SMALL_MESSAGE_BYTES``).
+PLACED_PER_MESSAGE = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,7 +54,10 @@ class RegionWriter:
     With a ``Placement`` (layer by layer only), block i does not go to the next free bytes but
     layer s of it to ``offsets[i] + s * stride``: the caller's pages, so the client copies
     nothing. Every such layer must lie in the window and no two may overlap (InvalidRequest
-    before anything is copied); a block that would not fit is refused and travels inline.
+    before anything is copied); a block that would not fit, or whose layout, dtype or shape
+    differs from the first one's, is refused and travels inline. Placed blocks are described
+    together (``BlockChunk.placed``: positions, parents and indices beside one meta), not a chunk
+    each: per block, that is a few list entries instead of a message to build, send and check.
 
     Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
     (checked once, here); chunks leave in the order their blocks were placed, and a client takes
@@ -58,8 +65,8 @@ class RegionWriter:
     run. One per Get stream, used by its thread only.
     """
 
-    __slots__ = ("_block", "_cursor", "_drained", "_end", "_items", "_layers", "_pending", "_pending_bytes",
-                 "_placement", "_region", "_start")
+    __slots__ = ("_block", "_cursor", "_drained", "_end", "_first", "_items", "_layers", "_pending",
+                 "_pending_bytes", "_placed", "_placement", "_region", "_start")
 
     def __init__(self, region: SharedRegion, offset: int, nbytes: int, layers: int = 0,
                  placement: Placement | None = None) -> None:
@@ -78,6 +85,8 @@ class RegionWriter:
         self._drained = False
         self._pending: list[ChunkFrame] = []
         self._pending_bytes = 0
+        self._first: BlockMeta | None = None  # placed: the first block's metadata, which the others match
+        self._placed: list[tuple[int, BlockMeta]] = []  # placed, not yet described: (position, meta)
 
     def place(self, position: int, item: Readable) -> bool:
         """Give ``item``'s payload the next free bytes and queue its chunk; False when it does not fit."""
@@ -92,20 +101,29 @@ class RegionWriter:
                 return False
         elif self._cursor + n > self._end:
             return False
-        payload, checksum = _payload(item)
+        meta = item.meta
         if self._layers:
-            shape = item.meta.shape
+            shape = meta.shape
             if self._drained or not shape or shape[0] != self._layers or n % self._layers or n != (self._block or n):
                 return False
+            if self._placement is not None:
+                # Described beside the first block's metadata: only key, parent and index may differ.
+                first = self._first or meta
+                if (meta.layout_fp, meta.dtype, shape) != (first.layout_fp, first.dtype, first.shape):
+                    return False
+                self._first = first
+                self._placed.append((position, meta))
             self._block = n
             self._items.append((place, item))  # copied by drain, layer by layer
-        else:
+            if self._placement is not None:
+                return True
+        payload, checksum = _payload(item)
+        if not self._layers:
             np.copyto(self._region.window(place, n), np.frombuffer(payload, dtype=np.uint8))
-        self._pending.append(ChunkFrame(position, meta_to_msg(item.meta), 0, b"", True, checksum, in_region=True,
+        self._pending.append(ChunkFrame(position, meta_to_msg(meta), 0, b"", True, checksum, in_region=True,
                                         region_offset=place))
         self._pending_bytes += n
-        if self._placement is None:
-            self._cursor += n
+        self._cursor += n
         return True
 
     @property
@@ -121,15 +139,21 @@ class RegionWriter:
         Layer by layer, never: the chunks all go at once, before the first copy (``drain``)."""
         return not self._layers and self._pending_bytes >= REGION_MESSAGE_BYTES
 
-    def take(self) -> Iterator[ChunkFrame]:
+    def take(self) -> Iterator[ChunkFrame | pb.BlockChunk]:
         """The message describing what was placed since the last one (nothing when nothing was)."""
+        placed, self._placed = self._placed, []
+        for a in range(0, len(placed), PLACED_PER_MESSAGE):
+            part = placed[a : a + PLACED_PER_MESSAGE]
+            yield pb.BlockChunk(meta=meta_to_msg(part[0][1]), placed=[p for p, _ in part],
+                                placed_parents=[m.parent or b"" for _, m in part],
+                                placed_indices=[m.index for _, m in part])
         if self._pending:
             head, *rest = self._pending
             head.more = rest
             self._pending, self._pending_bytes = [], 0
             yield head
 
-    def drain(self) -> Iterator[ChunkFrame]:
+    def drain(self) -> Iterator[ChunkFrame | pb.BlockChunk]:
         """The last messages; layer by layer, the copies of every block placed, with their
         chunks and progress (see the class docstring). Nothing is placed after it."""
         if not self._layers or self._drained:
@@ -192,4 +216,5 @@ def _payload(item: Readable) -> tuple[memoryview | bytes, int]:
     return item.as_bytes_view(), 0
 
 
-__all__ = ["MAX_REGION_LAYERS", "REGION_MESSAGE_BYTES", "Placement", "RegionWriter", "progress_points"]
+__all__ = ["MAX_REGION_LAYERS", "PLACED_PER_MESSAGE", "REGION_MESSAGE_BYTES", "Placement", "RegionWriter",
+           "progress_points"]

@@ -95,7 +95,7 @@ def test_blocks_land_in_their_pages_with_no_copy_here(memory_daemon, one_storage
     ids = [31, 2, 17, 5, 39, 0]
     sink = Pages(views, shared, ids)
     got = tier.get_layers([b.key for b in blocks], sink)
-    assert all(isinstance(g, PlacedBlock) and g.key == b.key for g, b in zip(got, blocks, strict=True))
+    assert all(isinstance(g, PlacedBlock) and g.meta == b.meta for g, b in zip(got, blocks, strict=True))
     assert sink.rows_given == [False] * LAY.num_layers, "every layer written by the daemon, none sent as rows"
     assert sink.complete(6)
     for k, (b, page) in enumerate(zip(blocks, ids, strict=True)):
@@ -167,7 +167,7 @@ def test_bad_placements_are_refused_before_a_byte_is_written(memory_daemon) -> N
     # A place past the window: that block is not written there; it travels inline instead.
     past = link.nbytes - layer_bytes
     msgs = _raw_get(daemon, link.handle, token, **{**base, "block_offsets": [0, layer_bytes, past]})
-    assert any(m.data for m in msgs) and any(m.in_region for m in msgs)
+    assert any(m.data for m in msgs) and [list(m.placed) for m in msgs if len(m.placed)] == [[0, 1]]
     assert torch.equal(shared.memory[past:], before[past:])
     # The pages are bound to the credential that attached them.
     with pytest.raises(grpc.RpcError) as err:
@@ -195,3 +195,51 @@ def test_a_placed_block_is_taken_only_at_its_keys_place() -> None:
     assert share.done() == [] and share.incomplete == 1, "not handed out before every layer landed"
     share.ready(LAY.num_layers)
     assert [p for p, _ in share.done()] == [0] and sink.rows_given == [False] * LAY.num_layers
+
+
+def test_a_placed_description_is_checked_before_any_of_its_blocks_is_taken() -> None:
+    """``BlockChunk.placed`` (the daemon's description of the blocks it placed, together): each
+    block comes out with its full metadata at its key's place; a description that breaks a rule
+    is refused (InvalidRequest), whatever else it says."""
+    from kvtier.rpc.wire import ResponseSlots, meta_to_msg
+    from storage_backends.layer_major import PlacedShare
+
+    views = engine_pages(False)
+    shared = SharedPages.share(views)
+    blocks = chain_blocks(3, layout=LAY, scope=Scope.user("acme/alice"))
+    keys = [b.key for b in blocks]
+    ids = [4, 8, 1]
+
+    def described(**change) -> pb.BlockChunk:
+        fields = dict(meta=meta_to_msg(blocks[0].meta), placed=[0, 1, 2],
+                      placed_parents=[b.meta.parent or b"" for b in blocks],
+                      placed_indices=[b.meta.index for b in blocks])
+        return pb.BlockChunk(**{**fields, **change})
+
+    def share() -> tuple[PlacedShare, ResponseSlots]:
+        sink = Pages(views, shared, ids)
+        return PlacedShare(sink.pages, sink, 3), ResponseSlots(keys)
+
+    s, slots = share()
+    got = s.describe(described(), slots)
+    assert [(p, g.meta, g.offset) for p, g in got] == [(i, b.meta, shared.target(ids).offsets[i])
+                                                        for i, b in enumerate(blocks)]
+    wrong_shape = meta_to_msg(blocks[0].meta)
+    wrong_shape.shape[0] = LAY.num_layers + 1
+    bad = {
+        "one parent and index per position": described(placed_indices=[0, 1]),
+        "not asked for": described(placed=[1, 0, 2]),
+        "first block's": described(meta=meta_to_msg(blocks[1].meta), placed=[0, 1, 2]),
+        "layers": described(meta=wrong_shape),
+        "no other chunk field": described(last=True),
+        "needs a meta": pb.BlockChunk(placed=[0], placed_parents=[b""], placed_indices=[0]),
+    }
+    for message, msg in bad.items():
+        s, slots = share()
+        with pytest.raises(InvalidRequest, match=message):
+            s.describe(msg, slots)
+    s, slots = share()
+    s.placed(*s.describe(described(placed=[0], placed_parents=[b""], placed_indices=[0]), slots)[0])
+    s.ready(1)
+    with pytest.raises(InvalidRequest, match="after their group's layers"):
+        s.describe(described(placed=[1], placed_parents=[keys[0]], placed_indices=[1]), slots)

@@ -14,8 +14,14 @@ from kvtier.dataplane.region import SharedRegion
 from kvtier.errors import InvalidRequest
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
-from kvtier.rpc.wire import carries_chunk, decode_message, encode_frame, message_chunks, wire_frame
-from kvtier.server.region_writer import REGION_MESSAGE_BYTES, Placement, RegionWriter, progress_points
+from kvtier.rpc.wire import carries_chunk, decode_message, describes_placed, encode_frame, message_chunks, wire_frame
+from kvtier.server.region_writer import (
+    PLACED_PER_MESSAGE,
+    REGION_MESSAGE_BYTES,
+    Placement,
+    RegionWriter,
+    progress_points,
+)
 from tests.helpers import chain_blocks
 
 #: 12 layers: block [12, 2, 32, 2, 64] bf16, 192 KiB.
@@ -107,7 +113,12 @@ def test_a_placed_get_writes_each_layer_at_its_blocks_place_a_stride_apart(regio
         assert out.place(i, wire_frame(b))
     msgs = [decode_message(encode_frame(m)) for m in out.drain()]
     assert [m.layers_ready for m in msgs] == [0, 1, 2, 4, 8, 12]
-    assert [c.region_offset for c in message_chunks(msgs[0])] == list(offsets)
+    # The blocks are described together: positions, parents and indices beside the first one's meta.
+    head = msgs[0]
+    assert describes_placed(head) and not carries_chunk(msgs[1])
+    assert list(head.placed) == [0, 1, 2] and head.meta.key == blocks[0].key
+    assert list(head.placed_parents) == [b.meta.parent or b"" for b in blocks]
+    assert list(head.placed_indices) == [b.meta.index for b in blocks]
     after = region.window(0, 4096 + LAY.num_layers * stride)
     written = np.zeros(after.size, dtype=bool)
     for b, at in zip(blocks, offsets, strict=True):
@@ -137,3 +148,23 @@ def test_a_placed_get_refuses_places_outside_its_window_or_over_each_other(regio
     with pytest.raises(InvalidRequest, match="over each other"):
         next(out.drain())
     assert np.array_equal(region.window(0, window), before), "refused before any byte was copied"
+
+
+def test_placed_blocks_are_described_a_bounded_number_a_message_and_odd_ones_travel_inline(region) -> None:
+    """More blocks than one description holds take several messages, in order, all before the
+    first progress; a block of another layout than the first one's is refused (it travels inline)."""
+    lay = KVLayout("placed-many", num_layers=2, num_kv_heads=1, head_dim=8, dtype="bfloat16", block_tokens=1)
+    n = PLACED_PER_MESSAGE + 3
+    blocks = chain_blocks(n, layout=lay, scope=Scope.user("acme/alice"))
+    strip = blocks[0].nbytes // 2
+    stride = n * strip
+    out = RegionWriter(region, 0, 2 * stride, 2, Placement(tuple(i * strip for i in range(n + 1)), stride))
+    assert all(out.place(i, wire_frame(b)) for i, b in enumerate(blocks))
+    other = chain_blocks(1, layout=KVLayout("placed-other", num_layers=2, num_kv_heads=1, head_dim=8,
+                                            dtype="float16", block_tokens=1), scope=Scope.user("acme/alice"))[0]
+    assert not out.place(n, wire_frame(other)), "another layout than the first block's: inline"
+    msgs = [decode_message(encode_frame(m)) for m in out.drain()]
+    described = [m for m in msgs if describes_placed(m)]
+    assert [len(m.placed) for m in described] == [PLACED_PER_MESSAGE, 3]
+    assert [p for m in described for p in m.placed] == list(range(n))
+    assert msgs[: len(described)] == described and [m.layers_ready for m in msgs[len(described):]] == [1, 2]

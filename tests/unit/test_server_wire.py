@@ -23,6 +23,7 @@ from kvtier.rpc.wire import (
     check_keys,
     decode_frame,
     decode_message,
+    describes_placed,
     encode_frame,
     message_chunks,
     meta_from_msg,
@@ -112,12 +113,23 @@ def test_the_assembler_takes_whole_blocks_from_a_region_and_checks_them() -> Non
 
 def test_decode_skips_unknown_fields_and_refuses_garbage() -> None:
     msg = pb.BlockChunk(position=2, data=b"xyz", last=True)
-    extra = msg.SerializeToString() + bytes([0x50, 0x05]) + bytes([0x5A, 0x02]) + b"ab"  # fields 10 and 11
+    extra = msg.SerializeToString() + bytes([0x50, 0x05]) + bytes([0x7A, 0x02]) + b"ab"  # fields 10 and 15
     f = decode_frame(extra)
     assert (f.position, bytes(f.data), f.last) == (2, b"xyz", True)
     for bad in (b"\x22\x10abc", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x0b"):
         with pytest.raises(ValueError):
             decode_frame(bad)
+
+
+def test_a_placed_description_is_never_skipped_by_the_large_message_decoder() -> None:
+    """The Python decoder (messages over SMALL_MESSAGE_BYTES) does not know ``placed``: it refuses
+    such a message instead of losing the blocks it describes."""
+    for field in (pb.BlockChunk(placed=[1]), pb.BlockChunk(placed_parents=[b""]), pb.BlockChunk(placed_indices=[3])):
+        with pytest.raises(ValueError, match="placed"):
+            decode_frame(field.SerializeToString())
+    described = pb.BlockChunk(placed=[0, 2], placed_parents=[b"", b""], placed_indices=[0, 2])
+    assert describes_placed(decode_message(described.SerializeToString()))
+    assert not describes_placed(decode_message(pb.BlockChunk(last=True).SerializeToString()))
 
 
 @pytest.mark.parametrize("chunk", [64, 100, BPB, 4 * BPB])
