@@ -120,7 +120,7 @@ class PublicRegistryRule(ScopeRule):
                 self._known.move_to_end(public[0].key)
         if known is not None and known[0] <= len(public) and public[known[0] - 1].key == known[1]:
             prompt = ScopedPrompt(tuple(tokens), known[0], self.private_kind)
-            lookup = cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
+            lookup = cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks, public))
             if lookup.length != known[0] or known[0] == n_blocks:
                 return prompt, lookup
             guessed = prompt, lookup
@@ -136,7 +136,7 @@ class PublicRegistryRule(ScopeRule):
         if guessed is not None and guessed[0].public_blocks == published:
             return guessed  # the registry agrees with the guess: its lookup stands
         prompt = ScopedPrompt(tuple(tokens), published, self.private_kind)
-        return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
+        return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks, public))
 
     @staticmethod
     def _public_chain(cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> list[ChainBlock]:
@@ -161,17 +161,28 @@ def scope_rule(name: str, private_kind: str = "user") -> ScopeRule:
         raise ConfigError(f"kvtier.scope_rule: unknown {name!r}; one of {sorted(SCOPE_RULES)}") from None
 
 
-def scoped_chain(cache: KVCache, principal: Principal, prompt: ScopedPrompt, n_blocks: int) -> list[ChainBlock]:
+def scoped_chain(cache: KVCache, principal: Principal, prompt: ScopedPrompt, n_blocks: int,
+                 public: Sequence[ChainBlock] = ()) -> list[ChainBlock]:
     """Keys of the first ``n_blocks`` blocks; empty when the principal has no scope of the private kind
-    (a token minted for public reads only, say), so such a request is simply not cached."""
+    (a token minted for public reads only, say), so such a request is simply not cached.
+    ``public``: the keys of the same tokens all in the public scope, when the caller has them:
+    the public blocks' keys are those, so only the private part is derived."""
     bt = cache.layout().block_tokens
-    head = ScopedPrompt(prompt.tokens[: n_blocks * bt], prompt.public_blocks, prompt.private_kind)
+    cut = prompt.public_blocks
+    head = ScopedPrompt(prompt.tokens[: n_blocks * bt], cut, prompt.private_kind)
+    if 0 < cut <= len(public):
+        try:
+            rest = cache.chain(principal, [RequestSegment(head.tokens[cut * bt :], prompt.private_kind)],
+                               after=public[cut - 1])
+        except AccessDenied:
+            rest = []
+        return [*public[:cut], *rest]
     try:
         return cache.chain(principal, head.segments(bt))
     except AccessDenied:
-        if prompt.public_blocks == 0:
+        if cut == 0:
             return []
-        return cache.chain(principal, [RequestSegment(head.tokens[: prompt.public_blocks * bt], ScopeKind.PUBLIC)])
+        return cache.chain(principal, [RequestSegment(head.tokens[: cut * bt], ScopeKind.PUBLIC)])
 
 
 @dataclass(slots=True, frozen=True)

@@ -186,10 +186,13 @@ def chain_step(parent_digest: bytes, domain: ScopeDomain, token_bytes: bytes) ->
     return h.digest()
 
 
-def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDeriver) -> list[ChainBlock]:
+def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDeriver,
+                after: ChainBlock | None = None) -> list[ChainBlock]:
     """Chained keys of every *full* block of a request; a partial last block is not cached.
 
-    The scope of block i is the most restrictive scope of any token in blocks 0..i.
+    The scope of block i is the most restrictive scope of any token in blocks 0..i. ``after``:
+    the segments continue a chain whose last block (so far) is ``after``; the blocks come out as
+    that longer chain's would, from ``after.index + 1`` (a chain is computed once, then extended).
     """
     # Scopes are folded per segment, not per token: long prompts (tens of thousands of tokens)
     # then cost one numpy encode plus one hash per block, with no Python work per token.
@@ -204,10 +207,12 @@ def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDe
         n_tokens += len(seg.tokens)
     bt = layout.block_tokens
     out: list[ChainBlock] = []
-    prev = root_digest(layout)
+    prev = root_digest(layout) if after is None else key_digest(after.key)
     tag = layout.fingerprint[:LAYOUT_TAG_BYTES]
-    parent: BlockKey | None = None
-    scope = PUBLIC
+    parent: BlockKey | None = None if after is None else after.key
+    scope = PUBLIC if after is None else after.scope
+    first = 0 if after is None else after.index + 1
+    assert after is None or key_layout_tag(after.key) == tag, "a chain continues only in its own layout"
     domains: dict[Scope, ScopeDomain] = {}
     enc = b"".join(encoded)
     next_run = 0
@@ -220,6 +225,6 @@ def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDe
             dom = domains[scope] = deriver.domain(scope)
         prev = chain_step(prev, dom, enc[i * bt * 4 : (i + 1) * bt * 4])
         key = make_key(dom, tag, prev)
-        out.append(ChainBlock(i, key, parent, scope, dom, i * bt))
+        out.append(ChainBlock(first + i, key, parent, scope, dom, (first + i) * bt))
         parent = key
     return out

@@ -162,20 +162,25 @@ class KVCache:
         segments: Iterable[RequestSegment | Segment],
         *,
         layout: KVLayout | str | None = None,
+        after: ChainBlock | None = None,
     ) -> list[ChainBlock]:
         """Keys of every full block of a request, with scopes mapped to the principal's own.
 
         ``keys.Segment`` (absolute scope) is accepted only when its scope is one the principal
-        can read, so a caller cannot reach another tenant's scope by naming it.
+        can read, so a caller cannot reach another tenant's scope by naming it. ``after``: the
+        segments continue a chain this principal computed, whose last block so far is ``after``
+        (``keys.block_chain``).
         """
         self.policy.require_active(principal)
         lay = self.layout(layout)
+        if after is not None:
+            self.gate.require_scope(principal, after.scope)
         resolved = []
         for seg in segments:
             scope = principal.own_scope(seg.scope) if isinstance(seg, RequestSegment) else seg.scope
             self.gate.require_scope(principal, scope)
             resolved.append(Segment(seg.tokens, scope))
-        return block_chain(lay, resolved, self.policy.deriver)
+        return block_chain(lay, resolved, self.policy.deriver, after)
 
     # -- reads ------------------------------------------------------------------------------------
     def lookup(self, principal: Principal, chain: Sequence[ChainBlock]) -> Lookup:

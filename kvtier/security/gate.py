@@ -252,12 +252,16 @@ class AccessGate:
     # -- internals --------------------------------------------------------------------------------
     def _usable(self, keys: Sequence[BlockKey], readable: dict[ScopeDomain, Scope]) -> int:
         """Leading keys ``p`` may read and that are not under purge (each stop counted)."""
+        usable: set[ScopeDomain] = set()  # domains already found usable: a chain has few
         for i, k in enumerate(keys):
             dom = key_domain(k)
+            if dom in usable:
+                continue
             if dom not in readable:
                 self._count("denied", 1)
                 return i
             if self._fence.is_closed(dom):
                 self._count("purging_miss", 1)
                 return i
+            usable.add(dom)
         return len(keys)

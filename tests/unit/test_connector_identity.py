@@ -99,9 +99,13 @@ def test_public_registry_marks_only_published_blocks_public() -> None:
     assert scope_rule("private").scope(cache, alice, doc, 3).public_blocks == 0
     lk = cache.lookup(alice, keys)
     assert load_decision(None, lk, 10, LAYOUT).blocks == 2  # no cost model: reload the whole hit
+    # Given the same tokens' public keys, only the private part is derived: the same chain.
+    public = cache.chain(alice, [RequestSegment((doc + private)[:20], ScopeKind.PUBLIC)])
+    assert scoped_chain(cache, alice, scoped, 5, public) == keys
     # A principal limited to public scopes keeps only the public part.
     reader = Principal("acme", "reader", scope_kinds=frozenset({ScopeKind.PUBLIC}))
     assert len(scoped_chain(cache, reader, scoped, 5)) == 2
+    assert scoped_chain(cache, reader, scoped, 5, public) == scoped_chain(cache, reader, scoped, 5)
     with pytest.raises(ConfigError):
         scope_rule("everything-public")
     with pytest.raises(ConfigError):

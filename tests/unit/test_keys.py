@@ -152,3 +152,21 @@ def test_digest_follows_the_documented_formula():
     d2 = hashlib.sha256(d1 + dom + struct.pack("<2I", 3, 4)).digest()
     k = keys([1, 2, 3, 4], Scope.public(), layout, DomainDeriver(secret))
     assert k == [dom + layout.fingerprint[:8] + d1, dom + layout.fingerprint[:8] + d2]
+
+
+@settings(max_examples=50, deadline=None)
+@given(tokens_st, tokens_st, scope_st, scope_st)
+def test_a_chain_continued_after_its_last_block_equals_the_whole_chain(head, tail, first, second) -> None:
+    """``after``: keys, parents, indices, scopes and token offsets as if computed in one go."""
+    bt = SMALL.block_tokens
+    head = head[: len(head) // bt * bt]
+    start = block_chain(SMALL, [Segment(head, first)], DERIVER)
+    if not start:
+        return
+    try:
+        whole = block_chain(SMALL, [Segment(head, first), Segment(tail, second)], DERIVER)
+    except ScopeError:  # two scopes that cannot mix: continued, they cannot either
+        with pytest.raises(ScopeError):
+            block_chain(SMALL, [Segment(tail, second)], DERIVER, after=start[-1])
+        return
+    assert start + block_chain(SMALL, [Segment(tail, second)], DERIVER, after=start[-1]) == whole
