@@ -42,10 +42,9 @@ from kvtier.errors import (
     Overloaded,
     RateLimited,
     RegionUnavailable,
-    ScopeError,
     TierUnavailable,
 )
-from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind
+from kvtier.keys import BlockKey, Scope, ScopeDomain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
@@ -66,6 +65,7 @@ from kvtier.rpc.wire import (
 from kvtier.store.layer_sink import LayerSink
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
+from storage_backends.domain_table import DomainTable, ScopeGrant
 from storage_backends.layer_major import LayerMajorShare, PlacedShare
 from storage_backends.shm_link import DataPlaneSession, PagesLink, SharedMemoryLink
 
@@ -155,43 +155,6 @@ class GrpcTierConfig:
             return grpc.insecure_channel(self.target, options=options)
         creds = grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
         return grpc.secure_channel(self.target, creds, options=options)
-
-
-@dataclass(slots=True, frozen=True)
-class ScopeGrant:
-    """One of the caller's scopes as the daemon reports it."""
-
-    scope: Scope
-    domain: ScopeDomain
-    may_read: bool
-    may_write: bool
-    may_delete: bool
-
-
-class DomainTable:
-    """The caller's scope -> domain map, fetched from the daemon; a drop-in for DomainDeriver in
-    ``keys.block_chain``. Asking for a scope the caller does not have raises ScopeError."""
-
-    def __init__(self, principal: str, grants: Sequence[ScopeGrant]) -> None:
-        self.principal = principal
-        self.grants = {g.scope: g for g in grants}
-
-    def domain(self, scope: Scope) -> ScopeDomain:
-        g = self.grants.get(scope)
-        if g is None:
-            raise ScopeError(f"scope {scope} is not one of principal {self.principal}'s scopes")
-        return g.domain
-
-    def own(self, kind: ScopeKind | str) -> Scope:
-        """The caller's scope of a kind (``"user"`` -> ``user:<tenant>/<user>``)."""
-        k = kind if isinstance(kind, ScopeKind) else ScopeKind[str(kind).upper()]
-        for s in self.grants:
-            if s.kind is k:
-                return s
-        raise ScopeError(f"principal {self.principal} has no {k.name.lower()} scope")
-
-    def __repr__(self) -> str:
-        return f"DomainTable({self.principal}, {len(self.grants)} scopes)"
 
 
 class GrpcTier(Tier):
