@@ -28,7 +28,7 @@ import torch
 
 from kvtier.block import Block, BlockMeta, PlacedBlock
 from kvtier.errors import InvalidRequest
-from kvtier.keys import DOMAIN_BYTES, LAYOUT_TAG_BYTES, key_domain
+from kvtier.keys import key_domain, key_layout_tag
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc.wire import ResponseSlots, check_key, meta_from_msg
 from kvtier.store.layer_sink import LayerSink, PageTarget
@@ -166,12 +166,12 @@ class PlacedShare(_LayerProgress[PlacedBlock]):
         shape = first.shape
         if not shape or shape[0] != self.layers or first.nbytes % self.layers:
             raise InvalidRequest(f"a placed block must have {self.layers} layers, got shape {shape}")
-        tag = first.key[DOMAIN_BYTES : DOMAIN_BYTES + LAYOUT_TAG_BYTES]
+        tag = key_layout_tag(first.key)
         strip = first.nbytes // self.layers
         out: list[tuple[int, PlacedBlock]] = []
         for position, parent, index in zip(msg.placed, msg.placed_parents, msg.placed_indices, strict=True):
             key = slots.at(position)
-            if key[DOMAIN_BYTES : DOMAIN_BYTES + LAYOUT_TAG_BYTES] != tag:
+            if key_layout_tag(key) != tag:
                 raise InvalidRequest("a placed block's key is of another layout than the description's meta")
             at = self.offsets[position]
             if at + (self.layers - 1) * self.stride + strip > self._memory_bytes:
