@@ -233,7 +233,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     def _get_prefix(
         self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
-    ) -> Iterator[ChunkFrame | bytes]:
+    ) -> Iterator[ChunkFrame | pb.BlockChunk | bytes]:
         lk = self.gate.lookup(call.principal, keys, then_read=True).lookup
         step = self._batch(out, len(keys))
         # Pinned for the whole stream: a block promised by this lookup is not evicted before it
@@ -252,7 +252,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     def _get_each(
         self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
-    ) -> Iterator[ChunkFrame | bytes]:
+    ) -> Iterator[ChunkFrame | pb.BlockChunk | bytes]:
         step = self._batch(out, len(keys))
         may = self.gate.each(call.principal, keys)
         with self.store.pins.hold(keys):
@@ -273,7 +273,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
     def _send(
         self, call: Call, items: Sequence[tuple[int, Readable]], out: RegionWriter | None = None
-    ) -> Iterator[ChunkFrame | bytes]:
+    ) -> Iterator[ChunkFrame | pb.BlockChunk | bytes]:
         """Stream ``items`` in order: into the call's region while they fit (described a message
         per few MiB, the last by ``drain``), each one that does not fit inline."""
         if out is None:
