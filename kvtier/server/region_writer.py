@@ -169,19 +169,21 @@ class RegionWriter:
         stride = strip if self._placement is None else self._placement.stride
         if self._placement is not None:
             _check_disjoint([offset for offset, _ in items], self._layers, stride, strip)
-        whole = self._region.array
-        payloads = [(offset, np.frombuffer(_payload(item)[0], dtype=np.uint8).reshape(self._layers, strip))
-                    for offset, item in items]
         # Every chunk goes first, alone: the client checks them while layer 0 is being copied,
         # so the message that says layer 0 landed is small and passes straight on.
         yield from self.take()
+        whole = self._region.array
+        # Each block's source and destination as [layers, strip] views, made once (a view per
+        # block and group costs more than the slicing below).
+        pairs = [(np.ndarray((self._layers, strip), np.uint8, whole, offset, (stride, 1)),
+                  np.frombuffer(_payload(item)[0], dtype=np.uint8).reshape(self._layers, strip))
+                 for offset, item in items]
         done = 0
         # One copy per block and group of layers (those between two progress points), not per
         # layer: fewer calls; nothing is reported in between.
         for ready in sorted(progress_points(self._layers)):
-            for offset, payload in payloads:
-                dst = np.ndarray((ready - done, strip), np.uint8, whole, offset + done * stride, (stride, 1))
-                np.copyto(dst, payload[done:ready])
+            for dst, src in pairs:
+                np.copyto(dst[done:ready], src[done:ready])
             done = ready
             msg = ChunkFrame(0, None, 0, b"", False, 0)
             msg.layers_ready = ready
