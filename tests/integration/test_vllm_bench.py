@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from benchmarks.vllm_bench import (
     Server,
     add_arguments,
     kvtier_serve_bench,
+    run,
     serve_bench_plan,
     serve_bench_result,
     serve_bench_table,
@@ -159,6 +161,14 @@ def test_serve_bench_is_on_in_the_full_run_and_opt_in_with_quick() -> None:
         serve_bench_plan(_args("--serve-concurrency", "4", "--serve-prompts", "4"))
     # 4,000 tokens = 125 full blocks, reused by every prompt after the first `concurrency`.
     assert full[0].expected_hit_tokens == 11 * 4000 and full[1].expected_hit_tokens == 10 * 4000
+
+
+def test_same_repeats_below_one_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    assert _args().same_repeats == 3
+    args = _args("--same-repeats", "0", "--vllm-python", sys.executable, "--workdir", str(tmp_path / "w"))
+    with pytest.raises(ConfigError, match="--same-repeats must be at least 1, got 0"):
+        run(args)
+    assert not (tmp_path / "w").exists()  # refused before the work directory, a daemon or a server
 
 
 @pytest.mark.timeout(300)
