@@ -4,6 +4,14 @@ No weights are downloaded: a model is built from a ``LlamaConfig`` and its param
 from a seeded generator in a fixed order, so two processes (or two machines) that build the same
 size with the same seed get bit-identical weights, and therefore bit-identical KV for the same
 tokens. That is what makes blocks cached by one process reusable by another.
+
+The weights have a proper scale: every matrix is drawn from N(0, 1/fan_in) (fan_in = its input
+width, so each layer keeps its activations at unit scale) and every norm weight is 1. With this
+scale the output depends on the whole context: the same question after another document, or after
+zeroed KV, gives other tokens from the first one on, while a prefix computed apart and reused moves
+float32 log-probabilities by about 1e-5 (``tests/unit/test_models.py`` checks both). Weights of
+about +-1e-3 (vLLM's ``load_format="dummy"``) would not: its outputs hardly depend on the KV.
+``kvtier.engine.checkpoint`` writes the same weights as a safetensors checkpoint for vLLM.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ class ModelSpec:
     dtype: str = "bfloat16"
     block_tokens: int = 16
     max_positions: int = 65536
-    init_std: float = 0.15
+    #: Llama's defaults are 1e-6 and 10,000; stated here so the checkpoint's config says the same.
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -72,7 +82,8 @@ class ModelSpec:
             num_key_value_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             max_position_embeddings=self.max_positions,
-            initializer_range=self.init_std,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             tie_word_embeddings=False,
             attn_implementation="sdpa",
         )
@@ -100,9 +111,14 @@ class ModelSpec:
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:
-                    values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * self.init_std
-                    param.copy_(values)
+                    param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * init_std(param.shape))
         return model.to(DTYPES[self.dtype][0]).eval()
+
+
+def init_std(shape: torch.Size | tuple[int, ...]) -> float:
+    """The standard deviation a matrix of ``shape`` (``[out, in]``, embeddings ``[vocab, hidden]``)
+    is drawn with: 1/sqrt(fan_in), its last dimension."""
+    return float(shape[-1]) ** -0.5
 
 
 #: The model sizes. ``small`` prefills 4,000 tokens in well under a second on two CPU cores;

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvtier.engine.models import MODEL_SIZES, ModelSpec, model_spec, weights_digest
 from kvtier.errors import ConfigError
@@ -73,3 +74,42 @@ def test_bad_spec_rejected(kwargs: dict, match: str) -> None:
             "intermediate_size": 64}
     with pytest.raises(ConfigError, match=match):
         ModelSpec(**(base | kwargs))
+
+
+def _greedy(model: torch.nn.Module, prompt: torch.Tensor, n: int,
+            past: object = None) -> tuple[list[int], torch.Tensor]:
+    """``n`` greedy tokens after ``prompt`` (continuing ``past`` when given) and their log-probabilities."""
+    toks, lps = [], []
+    with torch.no_grad():
+        out = model(prompt[None], cache=past, use_cache=True)
+        for _ in range(n):
+            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            toks.append(int(lp.argmax()))
+            lps.append(lp)
+            out = model(torch.tensor([[toks[-1]]]), cache=out.cache, use_cache=True)
+    return toks, torch.stack(lps)
+
+
+def test_outputs_depend_on_the_kv_and_a_reused_prefix_gives_the_same_output() -> None:
+    """The weights' scale makes the KV matter: the same question after another document, or after
+    zeroed KV, gives other tokens from the first one on; the document's KV computed apart and
+    reused moves float32 log-probabilities by far less than 1e-3 (benchmarks.output_match)."""
+    spec = model_spec("small").with_dtype("float32")
+    model = spec.build(0)
+    g = torch.Generator().manual_seed(1)
+    doc_a, doc_b, q = (torch.randint(3, spec.vocab_size, (n,), generator=g) for n in (256, 256, 24))
+    want, want_lp = _greedy(model, torch.cat([doc_a, q]), 16)
+    other, other_lp = _greedy(model, torch.cat([doc_b, q]), 16)
+    with torch.no_grad():
+        past = model(doc_a[None], use_cache=True).cache
+    reused, reused_lp = _greedy(model, q, 16, past)
+    with torch.no_grad():
+        zeroed = model(doc_a[None], use_cache=True).cache
+        for layer in zeroed.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+    blind, _ = _greedy(model, q, 16, zeroed)
+    assert reused == want and (reused_lp - want_lp).abs().max() < 1e-4
+    assert other[0] != want[0] and blind[0] != want[0]
+    assert (other_lp[0] - want_lp[0]).abs().max() > 0.5
+    assert len(set(want)) > 4, "not a constant output"
