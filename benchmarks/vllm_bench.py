@@ -1,20 +1,29 @@
 """`kvtier bench vllm`: time to first token of a serving vLLM with kvtier through the daemon.
 
-Starts two ``vllm serve`` (vLLM's OpenAI server, the CPU build from ``.venv-vllmcpu``) side by side on a
-random-weight Llama of 12 layers x 768 hidden, 12 heads, 4 KV heads (written as a config.json and
-a word-level tokenizer built offline; ``--load-format dummy``, seed 0): once with the kvtier
-connector through a ``kvtier serve`` daemon (vLLM's own prefix caching off, so every reuse is
-kvtier's), once without kvtier (prefix caching on). The seed scenario runs over HTTP with
-streaming: per round a fresh public 4,000-token document; tenant 0 asks a 100-token private
-question about it (cold); the document is then published in the public registry, and both
-tenants ask new questions (warm: the document's blocks come from kvtier). Prompts are sent as
-token ids; TTFT is the time to the first streamed token. Every prompt goes to both servers, the
-two requests one after the other in alternating order (A B, then B A), each after a pause in
-which the other server's engine goes idle (``IDLE_S``). The server without kvtier computes the
-first prompt from scratch and the others from vLLM's own prefix cache (the document with a new
-question: the local hit that does the same work as kvtier's warm request; a prompt sent again:
-vLLM's own local hit of the same prompt, the upper bound for kvtier's); their greedy text must
-equal the kvtier server's (``identical_outputs``).
+Starts two ``vllm serve`` (vLLM's OpenAI server, the CPU build from ``.venv-vllmcpu``) side by side on
+the model recipe's 12 x 768 Llama (12 heads, 4 KV heads, bfloat16; ``kvtier.engine.checkpoint``:
+seeded weights at a proper scale written as safetensors, loaded by vLLM's default loader, and a
+word-level tokenizer built locally): once with the kvtier connector through a ``kvtier serve``
+daemon (vLLM's own prefix caching off, so every reuse is kvtier's; failed loads recomputed), once
+without kvtier (prefix caching on). The seed scenario runs over HTTP with streaming: per round a
+fresh public 4,000-token document; tenant 0 asks a 100-token private question about it (cold);
+the document is then published in the public registry, and both tenants ask new questions (warm:
+the document's blocks come from kvtier). Prompts are sent as token ids; TTFT is the time to the
+first streamed token. Every prompt goes to both servers, one request after the other, each after a
+pause in which the other server's engine goes idle (``IDLE_S``), in an order balanced within each
+phase (``balanced_order``; the JSON's ``order`` counts who went first). The server without kvtier
+computes the first prompt from scratch and the others from vLLM's own prefix cache (the document
+with a new question: the local hit that does the same work as kvtier's warm request; a prompt
+sent again: vLLM's own local hit of the same prompt, the upper bound for kvtier's).
+
+Correctness: every request generates ``OUTPUT_TOKENS`` greedy tokens with the top
+``TOP_LOGPROBS`` log-probabilities of each; every kvtier output is compared with the other
+server's output of the same prompt (``benchmarks.output_match``: the same tokens and
+log-probabilities within the dtype's tolerance). Hits are judged by the worker connector's own
+counters (blocks loaded into the pages, blocks whose load failed), not by vLLM's
+``cached_tokens`` (which counts blocks whose load failed and were recomputed). The command exits
+non-zero when any output differs, when the same prompt sent again was not loaded whole from
+kvtier, or when the ``--serve-bench`` run served no hits.
 
 With ``--serve-bench`` (on by default, off with ``--quick`` unless given), vLLM's own benchmark
 client, ``vllm bench serve`` from the same environment, also runs against each server: its
@@ -25,16 +34,18 @@ computes the prefix; on the kvtier server the others load it from kvtier (vLLM's
 off there), on the other server from vLLM's own prefix cache. The kvtier server's hit tokens come
 from the connector's counters, and the run counts as valid only if kvtier served hits.
 
-JSON: ``ttft_cold_ms``, ``ttft_warm_ms``, ``speedup``, ``token_hit_rate``, ``identical_outputs``,
+JSON: ``ttft_cold_ms``, ``ttft_warm_ms``, ``speedup``, ``token_hit_rate`` (tokens the worker
+loaded from kvtier of all prompt tokens), ``identical_outputs`` (every output matched),
+``compared_tokens``, ``max_logprob_diff``, ``logprob_tolerance``, ``first_difference``,
 ``ttft_local_hit_ms``, ``warm_vs_local_hit``, ``ttft_warm_same_prompt_ms`` (a warm prompt sent
-again to the kvtier server once its blocks are saved, ``--same-repeats`` times a round: every full
-block from kvtier, like for like with the local hit; ``same_prompt_hit_tokens`` of
-``same_prompt_full_block_tokens`` say whether it was), ``warm_same_prompt_vs_local_hit`` (of the
-medians) and ``_paired`` (the median of the ratios of requests sent one after the other, over
-``same_prompt_pairs`` pairs), the per-request rows of both servers (``requests``,
-``baseline_requests``, paired in order) and (``--serve-bench``)
-``serve_bench``: per concurrency and server, ``vllm bench serve``'s TTFT mean/median/p99 (ms),
-request throughput and, on the kvtier server, the hit tokens.
+again to the kvtier server once its blocks are saved, ``--same-repeats`` times a round;
+``same_prompt_hit_tokens`` of ``same_prompt_full_block_tokens`` were loaded, and
+``same_prompt_failed_blocks`` failed), ``warm_same_prompt_vs_local_hit`` (of the medians) and
+``_paired`` (the median of the ratios of requests sent one after the other, over
+``same_prompt_pairs`` pairs), ``order``, ``valid``, the per-request rows of both servers
+(``requests``, ``baseline_requests``, paired in order, each with the server that went first) and
+(``--serve-bench``) ``serve_bench``: per concurrency and server, ``vllm bench serve``'s TTFT
+mean/median/p99 (ms), request throughput and, on the kvtier server, the hit tokens.
 """
 
 from __future__ import annotations
@@ -51,17 +62,26 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import progress, stop_process
+from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, combine, compare
+from kvtier.engine.checkpoint import write_checkpoint
+from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "intermediate": 2048, "vocab": 8192}
-MODEL_ID = "kvtier-bench-llama-12x768"
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants multiples of 32
+#: The model recipe's 12 x 768 Llama (12 heads, 4 KV heads, bfloat16) with an 8,192-token vocabulary.
+MODEL = replace(model_spec("large"), vocab_size=8192, block_tokens=BLOCK_TOKENS)
+MODEL_ID = "kvtier-bench-llama-12x768"
+#: Tokens generated per request (greedy, past any end-of-sequence token) and top log-probabilities
+#: reported per token: the outputs of the two servers are compared on these (benchmarks.output_match).
+OUTPUT_TOKENS = 32
+TOP_LOGPROBS = 5
 SERVE_OUTPUT_TOKENS = 4  # `vllm bench serve` measures TTFT here; a few decode steps suffice
 #: vLLM's engine and workers busy-poll their message queues for a second after each step (its
 #: shm_broadcast ``SpinCondition``). With both servers on one machine, a request waits this long
@@ -93,43 +113,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output tokens per `vllm bench serve` prompt")
 
 
-def write_model(d: Path, m: dict[str, int] = MODEL, *, tokenizer: bool = True) -> Path:
-    """A random-weight Llama's config.json, and (``tokenizer``) a word-level tokenizer made offline
-    (ids 0-2 are ``<unk>``, ``<s>``, ``</s>``; token ``t<i>`` is id i above): all vLLM needs with
-    ``load_format="dummy"``. Text round-trips exactly through it (ids -> text -> the same ids), as
-    ``vllm bench serve``'s text prompts need: the special tokens are no prefix of any ``t<i>`` (HF
-    tokenizers split text on special tokens wherever they occur)."""
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m["hidden"],
-        "intermediate_size": m["intermediate"], "num_attention_heads": m["heads"],
-        "num_key_value_heads": m["kv_heads"], "num_hidden_layers": m["layers"], "vocab_size": m["vocab"],
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "rope_theta": 10000.0,
-        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}))
-    if not tokenizer:
-        return d
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    special = ["<unk>", "<s>", "</s>"]
-    vocab = {special[i] if i < len(special) else f"t{i}": i for i in range(m["vocab"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}))
-    return d
+def write_model(d: Path, spec: ModelSpec = MODEL) -> Path:
+    """The bench's model checkpoint (``kvtier.engine.checkpoint``: seeded weights at a proper scale,
+    a word-level tokenizer through which text round-trips exactly, as ``vllm bench serve`` needs)."""
+    return write_checkpoint(spec, d)
 
 
-def llama_layout(m: dict[str, int] = MODEL, model_id: str = MODEL_ID) -> Any:
+def llama_layout(spec: ModelSpec = MODEL, model_id: str = MODEL_ID) -> KVLayout:
     """The kvtier layout the vLLM connector derives for this model (``kvtier.model_id``), for
     publishing documents into the public registry from outside the engine."""
-    from kvtier.layout import KVLayout
-
-    head = m["hidden"] // m["heads"]
-    return KVLayout(model_id=model_id, num_layers=m["layers"], num_kv_heads=m["kv_heads"], head_dim=head,
-                    dtype="bfloat16", block_tokens=BLOCK_TOKENS, revision="main", tp_rank=0, tp_size=1,
-                    block_shape_override=(m["layers"], m["kv_heads"], BLOCK_TOKENS, 2 * head))
+    return KVLayout(model_id=model_id, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                    head_dim=spec.head_dim, dtype=spec.dtype, block_tokens=spec.block_tokens, revision="main",
+                    tp_rank=0, tp_size=1,
+                    block_shape_override=(spec.num_layers, spec.num_kv_heads, spec.block_tokens, 2 * spec.head_dim))
 
 
 def _free_port() -> int:
@@ -151,13 +147,15 @@ def launch_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name:
     without kvtier, prefix caching on); ``wait_ready`` waits until it answers."""
     port = _free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "m",
-           "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "8192",
+           "--dtype", MODEL.dtype, "--enforce-eager", "--max-model-len", "8192",
            "--block-size", str(BLOCK_TOKENS), "--gpu-memory-utilization", "0.3", "--seed", "0",
            "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"]
     if kvtier is not None:
         cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps({
             "kv_connector": "KvtierConnector", "kv_connector_module_path": "connectors.vllm_connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": kvtier})]
+            "kv_role": "kv_both", "kv_connector_extra_config": kvtier,
+            # A block kvtier cannot serve is recomputed, not an error for the user (vLLM's default).
+            "kv_load_failure_policy": "recompute"})]
     else:
         cmd += ["--enable-prefix-caching"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -196,17 +194,24 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(30)
 
 
-def complete(server: Server, tokens: list[int], salt: str | None, max_tokens: int = 8) -> dict[str, Any]:
-    """One streamed completion; TTFT is the time to the first chunk that carries text."""
+def complete(server: Server, tokens: list[int], salt: str | None, max_tokens: int = OUTPUT_TOKENS,
+             logprobs: int = TOP_LOGPROBS) -> dict[str, Any]:
+    """One streamed completion, greedy, ``max_tokens`` tokens (past any end-of-sequence token) with
+    the top ``logprobs`` log-probabilities of each. TTFT is the time to the first chunk that
+    carries text; ``output`` is the Generation the servers are compared on."""
     body: dict[str, Any] = {"model": "m", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": True}
+                            "stream": True, "ignore_eos": True}
+    if logprobs:
+        body["logprobs"] = logprobs
     if salt is not None:
         body["cache_salt"] = salt
     req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first = None
-    text = []
+    text: list[str] = []
+    toks: list[str] = []
+    tops: list[dict[str, float]] = []
     try:
         resp = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as exc:
@@ -221,11 +226,18 @@ def complete(server: Server, tokens: list[int], salt: str | None, max_tokens: in
                 if "error" in chunk:
                     raise TierUnavailable(f"vllm serve streamed an error: {str(chunk['error'])[:500]}")
                 continue  # a usage-only chunk
-            piece = chunk["choices"][0].get("text", "")
-            if first is None and (piece or chunk["choices"][0].get("finish_reason") is None):
+            choice = chunk["choices"][0]
+            piece = choice.get("text", "")
+            if first is None and (piece or choice.get("finish_reason") is None):
                 first = time.perf_counter() - t0
             text.append(piece)
-    return {"ttft_ms": (first if first is not None else time.perf_counter() - t0) * 1e3, "text": "".join(text)}
+            lp = choice.get("logprobs") or {}
+            for tok, chosen, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [],
+                                        lp.get("top_logprobs") or [], strict=False):
+                toks.append(tok)
+                tops.append({**(top or {}), tok: chosen})
+    return {"ttft_ms": (first if first is not None else time.perf_counter() - t0) * 1e3, "text": "".join(text),
+            "output": Generation.of(toks, tops)}
 
 
 def publish(daemon_address: str, dep: Any, engine_token: str, salt: str, doc: list[int], lay: Any) -> int:
@@ -294,15 +306,17 @@ def run(args: argparse.Namespace) -> int:
         stats = work / "stats"
         salts = [dep.salt("acme", "alice"), dep.salt("globex", "bob")]
         rng = random.Random(0)
-        vocab = MODEL["vocab"]
+        vocab = MODEL.vocab_size
         plan = []
         for _ in range(rounds):
             doc = [rng.randrange(3, vocab) for _ in range(args.doc_tokens)]
             qs = [[rng.randrange(3, vocab) for _ in range(args.question_tokens)] for _ in range(3)]
             plan.append((doc, qs))
 
-        # Both servers run side by side and the requests alternate between them (A B, then B A),
-        # each after a pause in which the other server's engine goes idle (see IDLE_S).
+        # Both servers run side by side; each prompt goes to both, one after the other, each request
+        # after a pause in which the other server's engine goes idle (see IDLE_S). Within every
+        # phase the order runs A B, B A, B A, A B, ... (``balanced_order``), so neither server goes
+        # first more often in any phase.
         kv_cfg = {"kvtier.cache": "daemon", "kvtier.daemon": address, "kvtier.daemon_token_file": str(token_file),
                   "kvtier.model_id": MODEL_ID, "kvtier.scope_rule": "public-registry", "kvtier.stats_file": str(stats)}
         launched = [launch_vllm(stack, args.vllm_python, model, work, "kvtier", kv_cfg),
@@ -310,48 +324,55 @@ def run(args: argparse.Namespace) -> int:
         kv, base = (wait_ready(srv, work) for srv in launched)
         rows: list[dict[str, Any]] = []
         refs: list[dict[str, Any]] = []  # the server without kvtier: the same prompts, in the same order
-        prompt_tokens = same_hits = same_full = 0
-        step = [0]
+        prompt_tokens = same_full = 0
+        same_loaded = same_failed = 0
+        pairs_in_phase: dict[str, int] = {}
 
-        def alternate(kv_prompt: list[int], salt: str, base_prompt: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-            """One request to each server, the order swapped at every call."""
+        def alternate(phase: str, prompt: list[int], salt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+            """One request to each server, in the phase's balanced order."""
+            k = pairs_in_phase.get(phase, 0)
+            pairs_in_phase[phase] = k + 1
+            order = balanced_order(k)
             out: dict[str, dict[str, Any]] = {}
-            order = ("kv", "base") if step[0] % 2 == 0 else ("base", "kv")
-            step[0] += 1
             for who in order:
                 time.sleep(IDLE_S)
-                out[who] = complete(kv, kv_prompt, salt) if who == "kv" else complete(base, base_prompt, None)
-            return out["kv"], out["base"]
+                out[who] = complete(kv, prompt, salt) if who == "kvtier" else complete(base, prompt, None)
+            return {**out["kvtier"], "first": order[0]}, {**out["vllm"], "first": order[0]}
 
         for r, (doc, qs) in enumerate(plan):
-            cold, ref = alternate(doc + qs[0], salts[0], doc + qs[0])
+            progress(f"round {r + 1}/{rounds}: cold")
+            cold, ref = alternate("cold", doc + qs[0], salts[0])
             rows.append({"round": r, "question": 0, "phase": "cold", "tenant": 0, **cold})
             refs.append({"round": r, "question": 0, "phase": "cold", **ref})
             wait_for_saves(stats)
             publish(address, dep, token_file.read_text(), salts[0], doc, llama_layout())
+            progress(f"round {r + 1}/{rounds}: warm")
             for tenant, i in ((1, 1), (0, 2)):
                 # Without kvtier: the document from vLLM's own prefix cache, the question computed.
-                warm, ref = alternate(doc + qs[i], salts[tenant], doc + qs[i])
+                warm, ref = alternate("warm", doc + qs[i], salts[tenant])
                 rows.append({"round": r, "question": i, "phase": "warm", "tenant": tenant, **warm})
                 refs.append({"round": r, "question": i, "phase": "doc_hit", **ref})
             # Tenant 1's prompt again once its question's blocks are saved: every full block from
-            # kvtier (checked on the scheduler's counters), like for like with vLLM's own prefix-cache
-            # hit of the same prompt sent again. (Tenant 0's first prompt would not do: its question's
-            # blocks were saved after a private copy of the document, so they are keyed after that,
-            # not after the public blocks.)
+            # kvtier (judged by the worker's own loaded and failed counters), like for like with
+            # vLLM's own prefix-cache hit of the same prompt sent again. (Tenant 0's first prompt
+            # would not do: its question's blocks were saved after a private copy of the document,
+            # so they are keyed after that, not after the public blocks.)
             # Sent --same-repeats times: one request to each server per pair, so the ratio rests
             # on more pairs than rounds (single requests here vary by +-20 %).
             wait_for_saves(stats)
-            before = fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0)
+            progress(f"round {r + 1}/{rounds}: the same prompt again, {args.same_repeats} pairs")
+            before = fresh_counters(kv, stats, salts[1])["worker"]
             for _ in range(args.same_repeats):
-                again, ref = alternate(doc + qs[1], salts[1], doc + qs[1])
+                again, ref = alternate("warm_same", doc + qs[1], salts[1])
                 rows.append({"round": r, "question": 1, "phase": "warm_same", "tenant": 1, **again})
                 refs.append({"round": r, "question": 1, "phase": "local_hit", **ref})
-            same_hits += fresh_counters(kv, stats, salts[1])["scheduler"].get("load_tokens", 0) - before
+            after = fresh_counters(kv, stats, salts[1])["worker"]
+            same_loaded += _delta(before, after, "loaded_blocks")
+            same_failed += _delta(before, after, "load_failed_blocks")
             same_full += args.same_repeats * ((len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
             prompt_tokens += (3 + args.same_repeats) * (len(doc) + len(qs[0]))  # cold, 2 warm, the repeats
-        sched = fresh_counters(kv, stats, salts[0])["scheduler"]
-        identical = all(x["text"] == y["text"] for x, y in zip(rows, refs, strict=True))
+        counters = fresh_counters(kv, stats, salts[0])
+        match = compare_outputs(rows, refs)
         local_hits = [x["ttft_ms"] for x in refs if x["phase"] == "local_hit"]
         doc_hits = [x["ttft_ms"] for x in refs if x["phase"] == "doc_hit"]
         # `vllm bench serve` as one more tenant, whose blocks nothing before has computed.
@@ -364,6 +385,8 @@ def run(args: argparse.Namespace) -> int:
         _stop_group(kv.proc)
         _stop_group(base.proc)
 
+    sched, worker = counters["scheduler"], counters["worker"]
+    same_hits = same_loaded * BLOCK_TOKENS
     cold_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "cold")
     warm_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "warm")
     same_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "warm_same")
@@ -372,46 +395,83 @@ def run(args: argparse.Namespace) -> int:
     paired = statistics.median([a / b for a, b in zip(same_rows, local_hits, strict=True)])
     doc_ms = statistics.median(doc_hits)
     result = {
-        "benchmark": "vllm", "model": {**MODEL, "id": MODEL_ID}, "doc_tokens": args.doc_tokens,
-        "question_tokens": args.question_tokens, "rounds": rounds,
+        "benchmark": "vllm", "model": {**asdict(MODEL), "id": MODEL_ID, "weights": "kvtier.engine.checkpoint"},
+        "doc_tokens": args.doc_tokens, "question_tokens": args.question_tokens, "rounds": rounds,
         "ttft_cold_ms": round(cold_ms, 1), "ttft_warm_ms": round(warm_ms, 1), "speedup": round(cold_ms / warm_ms, 2),
-        "token_hit_rate": round(sched.get("load_tokens", 0) / prompt_tokens, 3) if prompt_tokens else 0.0,
-        "identical_outputs": identical, "ttft_local_hit_ms": round(local_ms, 1),
-        "warm_vs_local_hit": round(warm_ms / local_ms, 2),
+        # Tokens kvtier put into the engine's pages (the worker's loaded blocks) of all prompt tokens.
+        "token_hit_rate": round(worker.get("loaded_blocks", 0) * BLOCK_TOKENS / prompt_tokens, 3)
+        if prompt_tokens else 0.0,
+        # Every kvtier output against the baseline's output of the same prompt (benchmarks.output_match).
+        "identical_outputs": match.ok, **match.as_dict(),
+        "ttft_local_hit_ms": round(local_ms, 1), "warm_vs_local_hit": round(warm_ms / local_ms, 2),
         # Like for like with vLLM's local hit: the same prompt again, its full blocks from kvtier.
         "ttft_warm_same_prompt_ms": round(same_ms, 1), "warm_same_prompt_vs_local_hit": round(same_ms / local_ms, 2),
         # The same, pair by pair (each kvtier request against the baseline request next to it), median.
         "warm_same_prompt_vs_local_hit_paired": round(paired, 2), "same_prompt_pairs": len(same_rows),
-        # Tokens of those requests kvtier served, of their full blocks (like for like only when equal).
+        # Tokens of those requests the worker loaded from kvtier, of their full blocks, and blocks whose
+        # load failed (like for like only when every full block was loaded and none failed).
         "same_prompt_hit_tokens": same_hits, "same_prompt_full_block_tokens": same_full,
+        "same_prompt_failed_blocks": same_failed,
         # The same work as kvtier's warm request: the document cached, a new question computed.
         "ttft_local_doc_hit_ms": round(doc_ms, 1), "warm_vs_local_doc_hit": round(warm_ms / doc_ms, 2),
-        "connector": sched,
-        "requests": [{k: v for k, v in x.items() if k != "text"} for x in rows],
+        "order": {"rule": "per phase A B, B A, B A, A B, ... (balanced_order)",
+                  **{phase: {"kvtier_first": sum(x["first"] == "kvtier" for x in rows if x["phase"] == phase),
+                             "vllm_first": sum(x["first"] == "vllm" for x in rows if x["phase"] == phase)}
+                     for phase in pairs_in_phase}},
+        "connector": sched, "connector_worker": worker,
+        "requests": [_row(x) for x in rows],
         # The server without kvtier, the same prompts in the same order (each paired with the row above).
-        "baseline_requests": [{k: v for k, v in x.items() if k != "text"} for x in refs],
+        "baseline_requests": [_row(x) for x in refs],
     }
-    print(f"vLLM (vllm serve, CPU) {MODEL['layers']}x{MODEL['hidden']} Llama, {args.doc_tokens}-token document, "
-          f"{args.question_tokens}-token questions, {rounds} rounds")
+    print(f"vLLM (vllm serve, CPU) {MODEL.num_layers}x{MODEL.hidden_size} Llama ({MODEL.dtype}), "
+          f"{args.doc_tokens}-token document, {args.question_tokens}-token questions, {rounds} rounds")
     print(f"  TTFT cold {cold_ms:.0f} ms   warm (kvtier via daemon) {warm_ms:.0f} ms   "
           f"speedup {cold_ms / warm_ms:.2f}x")
     print(f"  vLLM's own prefix cache: same prompt {local_ms:.0f} ms (warm / that {warm_ms / local_ms:.2f}x), "
           f"same document + new question {doc_ms:.0f} ms (warm / that {warm_ms / doc_ms:.2f}x)")
     print(f"  the same prompt again through kvtier {same_ms:.0f} ms ({same_ms / local_ms:.2f}x vLLM's own local hit, "
-          f"{paired:.2f}x pair by pair; {same_hits} of its {same_full} full-block tokens from kvtier)")
-    print(f"  token hit rate {result['token_hit_rate']}   identical outputs {identical}")
+          f"{paired:.2f}x pair by pair; {same_hits} of its {same_full} full-block tokens loaded from kvtier, "
+          f"{same_failed} blocks failed)")
+    print(f"  token hit rate {result['token_hit_rate']}   outputs against vLLM alone: {match.describe()}")
     valid = True
+    if not match.ok:
+        progress("kvtier's outputs differ from vLLM's own: the KV it served is not the engine's KV")
+        valid = False
+    if same_hits < same_full or same_failed:
+        progress(f"the same prompt again: {same_hits} of {same_full} full-block tokens loaded, {same_failed} blocks "
+                 "failed; the like-for-like comparison is not like for like")
+        valid = False
     if serve:
         result["serve_bench"] = serve_bench_result(serve, kv_serve, base_serve, args.vllm_python)
         print(serve_bench_table(result["serve_bench"]))
-        valid = result["serve_bench"]["kvtier_served_hits"]
-        if not valid:
+        if not result["serve_bench"]["kvtier_served_hits"]:
             progress("vllm bench serve: kvtier served no hits (or loads failed) on the kvtier server; "
                      "its comparison is meaningless")
+            valid = False
+    result["valid"] = valid
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if valid else 1
+
+
+def balanced_order(k: int) -> tuple[str, str]:
+    """Which server gets the ``k``-th pair of a phase first: kvtier, vllm, vllm, kvtier, repeated
+    (every two pairs are balanced, and so is every pair of neighbours across a boundary of four)."""
+    return ("kvtier", "vllm") if k % 4 in (0, 3) else ("vllm", "kvtier")
+
+
+def compare_outputs(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> OutputMatch:
+    """Every kvtier output against the baseline's output of the same prompt."""
+    tolerance = LOGPROB_TOLERANCE[MODEL.dtype]
+    return combine(compare(y["output"], x["output"], tolerance) for x, y in zip(rows, refs, strict=True))
+
+
+def _row(x: dict[str, Any]) -> dict[str, Any]:
+    """A request's row for the JSON: its figures and its output tokens (the text is in them)."""
+    out = {k: v for k, v in x.items() if k not in ("text", "output")}
+    out["output_tokens"] = len(x["output"].tokens)
+    return out
 
 
 # =================================================================================================
@@ -522,7 +582,7 @@ def fresh_counters(server: Server, stats: Path, salt: str) -> dict[str, dict[str
     finishes, the worker at the end of a step, each at most every 0.2 s: after a pause, one short
     request (no full block, so nothing to load or save) makes both write."""
     time.sleep(0.3)
-    complete(server, [3] * 8, salt, max_tokens=1)
+    complete(server, [3] * 8, salt, max_tokens=1, logprobs=0)
     time.sleep(0.1)
     return {role: connector_counters(stats, role) for role in ("scheduler", "worker")}
 

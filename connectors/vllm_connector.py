@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -185,6 +186,20 @@ def _check_process_model(source: CacheSource, vllm_config: VllmConfig, provider:
     )
 
 
+def _check_load_failure_policy(kv_transfer_config: Any) -> None:
+    """Warn when vLLM would fail a request whose load failed instead of recomputing its blocks.
+
+    kvtier reports a block it cannot serve (refused, unreachable, or a record that fails its
+    checks) as a load error; only ``kv_load_failure_policy="recompute"`` turns that into a
+    recompute. vLLM's default, ``"fail"``, answers the user's request with an error.
+    """
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier cannot serve (a daemon that is down, a "
+                    "revoked principal, a damaged record) fails the user's request instead of being recomputed; "
+                    'add "kv_load_failure_policy": "recompute" to --kv-transfer-config', policy)
+
+
 class KvtierConnector(KVConnectorBase_V1):
     """vLLM's KV connector backed by kvtier (see the module docstring for the mapping).
 
@@ -210,6 +225,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self.load_async = bool(self.options.get("load_async", False))
         self.save_enabled = bool(self.options.get("save", True)) and self._kv_transfer_config.is_kv_producer
         self.load_enabled = self._kv_transfer_config.is_kv_consumer
+        if role == KVConnectorRole.SCHEDULER and self.load_enabled:
+            _check_load_failure_policy(self._kv_transfer_config)
         self.block_tokens = self.layout.block_tokens
         self._lock = threading.Lock()
         #: Host pages: how many layers the load thread has copied, and whether it still runs.
@@ -266,9 +283,12 @@ class KvtierConnector(KVConnectorBase_V1):
         if not self.load_enabled:
             return 0, False
         salt = getattr(request, "cache_salt", None)
+        if not salt:  # no identity: served without kvtier, and counted (docs/connectors.md)
+            self.stats["no_salt"] += 1
+            return 0, False
         tenant = self._tenant(salt)
         tokens = list(request.prompt_token_ids or ())
-        if tenant is None or salt is None or len(tokens) <= self.block_tokens:
+        if tenant is None or len(tokens) <= self.block_tokens:
             return 0, False
         # The first output token needs a forward pass over at least one prompt token.
         n_blocks = (len(tokens) - 1) // self.block_tokens
@@ -339,6 +359,18 @@ class KvtierConnector(KVConnectorBase_V1):
                                    tuple(tr.block_ids[tr.saved_upto:end])))
         tr.saved_upto = end
         self.stats["save_jobs"] += 1
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Blocks whose load failed are recomputed by vLLM (``kv_load_failure_policy="recompute"``):
+        save them again once they are, from the first failed block of each request on."""
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for tr in self._tracked.values():
+            first = next((i for i, b in enumerate(tr.block_ids[: tr.saved_upto]) if b in bad), None)
+            if first is not None:
+                self.stats["resave_blocks"] += tr.saved_upto - first
+                tr.saved_upto = first
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves complete inside the step that computed the blocks (wait_for_save), so vLLM may

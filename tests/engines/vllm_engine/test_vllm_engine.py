@@ -3,58 +3,97 @@
 Runs inside .venv-vllmcpu (tests/engines/vllmcpu-requirements.txt). Each engine runs in a process
 of its own (driver.py), which starts vLLM's EngineCore and Worker processes under it, so the
 scheduler-side and the worker-side connector live in different processes, as in production. The
-daemon (``kvtier serve``) runs from the main virtual environment with memory -> LMDB. The model is
-a random-weight Llama written as a config.json (no download; ``load_format="dummy"``, seed 0, so
-every engine computes the same KV).
+daemon (``kvtier serve``) runs from the main virtual environment with memory -> LMDB.
 
-Covers: (a) reuse and identical greedy tokens; (b) a fresh engine process gets hits from the
-daemon, and from LMDB after the daemon restarts; (c) tenants: another tenant's private prefix
-gives 0 external tokens, a public-registry document is shared; (d) forged and missing salts are
-served without kvtier and counted; (e) a daemon killed mid-run: requests still complete by
-recomputing, failures counted, the engine lives; (f) with vLLM's own prefix caching, local hits
-and kvtier's hits add up.
+The model is the project's recipe (``kvtier.engine.checkpoint``): a 4-layer Llama in float32 with
+seeded weights at a proper scale, written as safetensors and loaded by vLLM's default loader, so
+its outputs depend on the KV it attends to. Every output is judged against an engine that
+computed everything itself: 32 greedy tokens and the top-5 log-probabilities of each, within
+``LOGPROB_TOLERANCE["float32"]`` (``benchmarks.output_match``). Failed loads are recomputed
+(``kv_load_failure_policy="recompute"``).
+
+Covers: outputs depend on the document at all (another document, the same question: other
+tokens); (a) reuse with outputs equal to the engine's own; (b) a fresh engine process gets hits
+from the daemon, and from LMDB after the daemon restarts; (c) tenants: another tenant's private
+prefix gives 0 external tokens, a public-registry document is shared; (d) forged and missing
+salts are served without kvtier and counted; (e) a daemon killed mid-run: requests still complete
+by recomputing, failures counted, the engine lives; (f) with vLLM's own prefix caching, local hits
+and kvtier's hits add up; (g) the control: KV of another document stored under a prompt's keys is
+loaded, and the comparison fails, as it must; (h) records damaged on disk are refused, the request
+is served with the right output by recomputing, the blocks are saved again and hit next time.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, compare
 from benchmarks.vllm_bench import connector_counters, llama_layout, publish, write_model
+from kvtier.engine.models import model_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 DAEMON_PYTHON = os.environ.get("KVTIER_DAEMON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
 BT = 32  # vLLM's CPU attention wants block sizes that are multiples of 32
-TINY = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512, "vocab": 1024}
-MODEL_ID = "tiny-llama"
+#: The recipe's small Llama (4 layers x 256 hidden, 4 heads, 2 KV heads) in float32.
+MODEL = replace(model_spec("small"), dtype="float32", vocab_size=1024, block_tokens=BT)
+MODEL_ID = "engine-suite-llama"
+TOLERANCE = LOGPROB_TOLERANCE[MODEL.dtype]
+OUTPUT_TOKENS, TOP_LOGPROBS = 32, 5
+BLOCK_BYTES = MODEL.num_layers * 2 * MODEL.num_kv_heads * BT * MODEL.head_dim * 4
 
+_rng = random.Random(7)
 P = list(range(3, 300))  # 297 tokens: 9 full blocks before the last token
 DOC = list(range(400, 400 + 6 * BT))  # a public document of 6 blocks
+OTHER_DOC = [_rng.randrange(3, MODEL.vocab_size) for _ in range(6 * BT)]
 Q_ALICE = list(range(700, 740))
 Q_BOB = list(range(800, 840))
 X = P[: 4 * BT] + list(range(900, 950))  # shares P's first 4 blocks, then its own tail
+W = [_rng.randrange(3, MODEL.vocab_size) for _ in range(len(P))]  # the control's wrong document
+FULL = (len(P) - 1) // BT * BT  # P's tokens in full blocks
 
 
 def llama_dir(root: Path) -> Path:
-    return write_model(root / "model", TINY, tokenizer=False)
+    return write_model(root.parent / "model", MODEL)
+
+
+def layout() -> Any:
+    return llama_layout(MODEL, MODEL_ID)
+
+
+def output(r: dict[str, Any]) -> Generation:
+    return Generation.of(r["token_ids"], [{int(t): lp for t, lp in pos.items()} for pos in r["logprobs"]])
+
+
+def same_output(want: Generation, got: dict[str, Any], what: str) -> OutputMatch:
+    """The engine's output with kvtier against its output computing everything itself."""
+    m = compare(want, output(got), TOLERANCE)
+    assert m.ok, f"{what}: {m.describe()}"
+    return m
 
 
 @dataclass
 class Daemon:
-    """``kvtier serve`` (memory -> LMDB) in a process of its own, restartable on the same data."""
+    """``kvtier serve`` (memory -> LMDB) in a process of its own, restartable on the same data.
+    ``memory_bytes`` None: LMDB alone, every block is read from disk."""
 
     root: Path
+    # 4 blocks of this model in RAM: a prompt's blocks spill to LMDB, where they outlive a restart
+    # of the daemon (RAM does not).
+    memory_bytes: int | None = 4 * BLOCK_BYTES
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
 
@@ -62,10 +101,8 @@ class Daemon:
         from benchmarks.localdeploy import LocalDeployment
 
         self.dep = LocalDeployment(self.root / "dep", server_secret=b"engine-suite-server-secret-0123")
-        # 4 blocks of this model in RAM (64 KiB each): a prompt's blocks spill to LMDB, where they
-        # outlive a restart of the daemon (RAM does not).
         # The engine's pages (VLLM_CPU_KVCACHE_SPACE, 1 GiB) attach as a region of their own.
-        self.dep.write_config(memory_bytes=4 * 64 << 10, disk_bytes=256 << 20,
+        self.dep.write_config(memory_bytes=self.memory_bytes, disk_bytes=256 << 20,
                               server={"log_level": "warning", "max_region_bytes": 2 << 30})
         self.engine_token = self.root / "engine.token"
         self.engine_token.write_text(self.dep.token("node1", "engine", roles=("engine",)))
@@ -94,14 +131,18 @@ class Daemon:
             self.proc.terminate()
             self.proc.wait(30)
 
-    def tier_hits(self) -> dict[str, int]:
+    def tier_stats(self) -> dict[str, Any]:
+        """Each tier's stats, as an operator sees them."""
         from storage_backends.grpc import GrpcTier, GrpcTierConfig
 
         ops = GrpcTier(GrpcTierConfig(self.address, self.dep.token("kvtier", "ops", roles=("operator",))))
         try:
-            return {t.name: int(t.hits) for t in ops.stats().tiers}
+            return {t.name: t for t in ops.stats().tiers}
         finally:
             ops.close()
+
+    def tier_hits(self) -> dict[str, int]:
+        return {name: int(t.hits) for name, t in self.tier_stats().items()}
 
     def options(self, stats: Path, **extra: Any) -> dict[str, Any]:
         return {"kvtier.cache": "daemon", "kvtier.daemon": self.address,
@@ -109,29 +150,82 @@ class Daemon:
                 "kvtier.stats_file": str(stats), **{f"kvtier.{k}": v for k, v in extra.items()}}
 
 
+def _spec(root: Path, name: str, requests: list[dict[str, Any]], kvtier: dict[str, Any] | None,
+          prefix_caching: bool = False) -> Path:
+    spec = root / f"{name}.json"
+    spec.write_text(json.dumps({"model": str(llama_dir(root)), "dtype": MODEL.dtype, "requests": requests,
+                                "kvtier": kvtier, "prefix_caching": prefix_caching, "max_tokens": OUTPUT_TOKENS,
+                                "logprobs": TOP_LOGPROBS}))
+    return spec
+
+
+ENGINE_ENV = {"PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _results(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
+
+
 def run_engine(root: Path, name: str, requests: list[dict[str, Any]], *, kvtier: dict[str, Any] | None,
                prefix_caching: bool = False) -> list[dict[str, Any]]:
     """One engine process over ``requests``; the results of each request, in order."""
-    spec = root / f"{name}.json"
-    spec.write_text(json.dumps({"model": str(llama_dir(root)), "requests": requests, "kvtier": kvtier,
-                                "prefix_caching": prefix_caching, "max_tokens": 8}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    spec = _spec(root, name, requests, kvtier, prefix_caching)
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("driver.py")), str(spec)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=400)
-    out = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
+                          env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=400)
+    out = _results(proc.stdout)
     assert proc.returncode == 0 and out and out[-1] == {"done": True}, (proc.stdout + proc.stderr)[-4000:]
     return out[:-1]
 
 
+def start_engine(root: Path, name: str, requests: list[dict[str, Any]],
+                 kvtier: dict[str, Any]) -> subprocess.Popen[str]:
+    """``run_engine`` in the background, for requests that wait on files the test writes
+    (``before``) or announce their end (``after``); ``finish`` collects the results."""
+    spec = _spec(root, name, requests, kvtier)
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver.py")), str(spec)], cwd=ROOT,
+                            env={**os.environ, **ENGINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path.name} never appeared:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.2)
+
+
+def finish(proc: subprocess.Popen[str]) -> list[dict[str, Any]]:
+    out, _ = proc.communicate(timeout=400)
+    res = _results(out)
+    assert proc.returncode == 0 and res and res[-1] == {"done": True}, out[-3000:]
+    return res[:-1]
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Daemon, dict[str, list[int]]]]:
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Daemon, dict[str, Generation]]]:
     root = tmp_path_factory.mktemp("vllm-engine")
     daemon = Daemon(root).start()
-    # Greedy tokens of an engine without kvtier: what every run must reproduce exactly.
-    prompts = {"P": P, "alice_doc": DOC + Q_ALICE, "bob_doc": DOC + Q_BOB, "X": X}
+    # The outputs of an engine without kvtier (and without prefix caching): what it computes itself,
+    # the reference every run is judged against.
+    prompts = {"P": P, "alice_doc": DOC + Q_ALICE, "bob_doc": DOC + Q_BOB, "X": X, "other_doc": OTHER_DOC + Q_ALICE}
     base = run_engine(root, "baseline", [{"tokens": t} for t in prompts.values()], kvtier=None)
-    yield root, daemon, {k: r["token_ids"] for k, r in zip(prompts, base, strict=True)}
+    yield root, daemon, {k: output(r) for k, r in zip(prompts, base, strict=True)}
     daemon.stop()
+
+
+def test_outputs_depend_on_the_document(world) -> None:
+    """The model's outputs mean something: the same question after another document gives other
+    tokens (and an engine's output is its own, to the last bit, when asked again)."""
+    _, _, want = world
+    other = compare(want["alice_doc"], want["other_doc"], TOLERANCE)
+    assert not other.identical_tokens and other.first_difference == (0, 0), other.describe()
+    assert other.max_logprob_diff > 100 * TOLERANCE
+    assert not compare(want["alice_doc"], want["bob_doc"], TOLERANCE).identical_tokens
+    assert len(set(want["alice_doc"].tokens)) > 4, "not a constant output"
+    assert all(len(g.tokens) == OUTPUT_TOKENS and len(g.logprobs) == OUTPUT_TOKENS for g in want.values())
+    assert all(len(pos) >= TOP_LOGPROBS for g in want.values() for pos in g.logprobs)
 
 
 def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
@@ -145,20 +239,21 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
             {"tokens": P, "salt": bob}, {"tokens": P, "salt": forged}, {"tokens": P},
             {"tokens": DOC + Q_ALICE, "salt": alice}]
     res = run_engine(root, "run-a", reqs, kvtier=daemon.options(st, scope_rule="public-registry"))
-    full = (len(P) - 1) // BT * BT
-    assert [r["num_cached_tokens"] for r in res[:3]] == [0, full, full]  # (a) >= 90 %: all 9 full blocks
-    assert all(r["token_ids"] == want["P"] for r in res[:6]), "greedy tokens identical to vLLM without kvtier"
+    assert [r["num_cached_tokens"] for r in res[:3]] == [0, FULL, FULL]  # (a) >= 90 %: all 9 full blocks
+    for i, r in enumerate(res[:6]):
+        same_output(want["P"], r, f"request {i}")
     assert res[3]["num_cached_tokens"] == 0, "(c) bob gets nothing of alice's private prefix"
     assert res[4]["num_cached_tokens"] == 0 and res[5]["num_cached_tokens"] == 0  # (d)
     sched, worker = connector_counters(st, "scheduler"), connector_counters(st, "worker")
-    assert sched["load_tokens"] == 2 * full and worker["loaded_blocks"] == 2 * full // BT
-    # Through the daemon's shared memory, layer by layer into the pages (the tokens above are
-    # identical with the forward pass starting on layer 0 while later layers were still landing),
-    # written there by the daemon itself: the pages live in shared memory.
-    assert worker["loaded_by_layer"] == 2 * full // BT
-    assert worker["pages_shared"] == 1 and worker["loaded_in_place"] == 2 * full // BT
+    assert sched["load_tokens"] == 2 * FULL and worker["loaded_blocks"] == 2 * FULL // BT
+    # Through the daemon's shared memory, layer by layer into the pages (the outputs above are
+    # the engine's own with the forward pass starting on layer 0 while later layers were still
+    # landing), written there by the daemon itself: the pages live in shared memory.
+    assert worker["loaded_by_layer"] == 2 * FULL // BT
+    assert worker["pages_shared"] == 1 and worker["loaded_in_place"] == 2 * FULL // BT
     assert sched["salt_rejected"] >= 1, "the forged salt is refused (by the daemon) and counted"
-    assert worker["load_failed_blocks"] == 0 and worker["saved_blocks"] >= full // BT
+    assert sched["no_salt"] == 1, "the request without a salt is counted"
+    assert worker["load_failed_blocks"] == 0 and worker["saved_blocks"] >= FULL // BT
 
     # (c) publish the document: an operator-side publisher copies alice's computed blocks of it into
     # the public scope through the daemon (the engine never writes a public block itself).
@@ -167,12 +262,13 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     res2 = run_engine(root, "run-c", [{"tokens": DOC + Q_BOB, "salt": bob}, {"tokens": DOC + Q_ALICE, "salt": alice}],
                       kvtier=daemon.options(st2, scope_rule="public-registry"))
     assert res2[0]["num_cached_tokens"] >= len(DOC), "bob reuses the public document"
-    assert res2[0]["token_ids"] == want["bob_doc"] and res2[1]["token_ids"] == want["alice_doc"]
+    assert connector_counters(st2, "worker")["loaded_blocks"] >= 2 * len(DOC) // BT
+    same_output(want["bob_doc"], res2[0], "bob on the public document")
+    same_output(want["alice_doc"], res2[1], "alice on the public document")
 
 
 def publish_document(daemon: Daemon, alice_salt: str) -> None:
-    n = publish(daemon.address, daemon.dep, daemon.engine_token.read_text(), alice_salt, DOC,
-                llama_layout(TINY, MODEL_ID))
+    n = publish(daemon.address, daemon.dep, daemon.engine_token.read_text(), alice_salt, DOC, layout())
     assert n == len(DOC) // BT, "alice's run computed and saved the document's blocks, all published"
 
 
@@ -184,10 +280,10 @@ def test_fresh_engines_hit_the_daemon_and_lmdb_after_a_daemon_restart(world) -> 
     # This engine keeps its pages private: the load lands in the channel's region and is copied.
     res = run_engine(root, "run-b1", [{"tokens": P, "salt": alice}],
                      kvtier=daemon.options(root / "run-b1", shared_pages=False))
-    full = (len(P) - 1) // BT * BT
-    assert res[0]["num_cached_tokens"] == full and res[0]["token_ids"] == want["P"], "(b) a fresh engine hits"
+    assert res[0]["num_cached_tokens"] == FULL, "(b) a fresh engine hits"
+    same_output(want["P"], res[0], "(b) a fresh engine")
     worker = connector_counters(root / "run-b1", "worker")
-    assert worker["loaded_by_layer"] == full // BT and "loaded_in_place" not in worker and "pages_shared" not in worker
+    assert worker["loaded_by_layer"] == FULL // BT and "loaded_in_place" not in worker and "pages_shared" not in worker
     daemon.stop()
     daemon.start()  # RAM is gone; LMDB keeps the blocks
     before = daemon.tier_hits()
@@ -196,10 +292,13 @@ def test_fresh_engines_hit_the_daemon_and_lmdb_after_a_daemon_restart(world) -> 
                      kvtier=daemon.options(st), prefix_caching=True)
     after = daemon.tier_hits()
     assert after["lmdb"] > before.get("lmdb", 0), "(b) after the restart the hits come from LMDB"
-    assert res[0]["num_cached_tokens"] == 4 * BT and res[0]["token_ids"] == want["X"]
+    assert res[0]["num_cached_tokens"] == 4 * BT
+    same_output(want["X"], res[0], "(b) X from LMDB")
     # P: its first 4 blocks are in vLLM's own cache now (X computed them); kvtier adds the other 5.
-    assert res[1]["num_cached_tokens"] == full and res[1]["token_ids"] == want["P"]
-    assert connector_counters(st, "scheduler")["load_tokens"] == 4 * BT + (full - 4 * BT), "(f) local + kvtier = cached"
+    assert res[1]["num_cached_tokens"] == FULL
+    same_output(want["P"], res[1], "(f) P from vLLM's cache and kvtier")
+    assert connector_counters(st, "scheduler")["load_tokens"] == 4 * BT + (FULL - 4 * BT), "(f) local + kvtier = cached"
+    assert connector_counters(st, "worker")["loaded_blocks"] == FULL // BT
 
 
 def test_a_daemon_killed_mid_run_means_recompute_not_a_crash(world) -> None:
@@ -213,35 +312,142 @@ def test_a_daemon_killed_mid_run_means_recompute_not_a_crash(world) -> None:
     reqs = [{"tokens": P, "salt": alice, "after": str(killed)},
             {"tokens": P, "salt": alice, "before": str(go)},
             {"tokens": [*X, 5, 6, 7], "salt": alice}]
-    opts = daemon.options(st, daemon_timeout_s=3)
-    env_proc = _start_async(root, "run-e", reqs, opts)
-    deadline = time.monotonic() + 400
-    while not killed.exists():
-        assert env_proc.poll() is None and time.monotonic() < deadline, env_proc.communicate()[0][-3000:]
-        time.sleep(0.2)
+    proc = start_engine(root, "run-e", reqs, daemon.options(st, daemon_timeout_s=3))
+    wait_for_file(killed, proc)
     daemon.kill()
     go.touch()
-    out, _ = env_proc.communicate(timeout=400)
-    res = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("KVTIER_RESULT ")]
-    assert env_proc.returncode == 0 and res[-1] == {"done": True}, out[-3000:]
-    full = (len(P) - 1) // BT * BT
-    assert res[0]["num_cached_tokens"] == full
-    assert res[1]["num_cached_tokens"] == 0 and res[1]["token_ids"] == want["P"], "recomputed, same tokens"
-    assert len(res[2]["token_ids"]) == 8, "the engine keeps serving"
+    res = finish(proc)
+    assert res[0]["num_cached_tokens"] == FULL
+    assert res[1]["num_cached_tokens"] == 0
+    same_output(want["P"], res[1], "recomputed with the daemon gone")
+    assert len(res[2]["token_ids"]) == OUTPUT_TOKENS, "the engine keeps serving"
     sched = connector_counters(st, "scheduler")
     assert sched.get("tier_error:unavailable", 0) + sched.get("tier_error:timeout", 0) >= 1, sched
     daemon.start()
 
 
-def _start_async(
-    root: Path, name: str, requests: list[dict[str, Any]], kvtier: dict[str, Any]
-) -> subprocess.Popen[str]:
-    spec = root / f"{name}.json"
-    spec.write_text(json.dumps({"model": str(llama_dir(root)), "requests": requests, "kvtier": kvtier,
-                                "max_tokens": 8}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver.py")), str(spec)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+@pytest.fixture(scope="module")
+def disk_run(tmp_path_factory: pytest.TempPathFactory, world) -> Iterator[dict[str, Any]]:
+    """One engine on a daemon with LMDB alone, for (g) and (h):
+
+    1. carol's P and mallory's W are computed and saved;
+    2. the test stores W's blocks, read back as mallory, under mallory's keys of P (the KV of
+       another document under the prompt's keys: valid records of wrong KV), and flips one byte
+       in each LMDB record of carol's P;
+    3. mallory's P loads the wrong KV; carol's P is asked twice more.
+    """
+    root = tmp_path_factory.mktemp("vllm-engine-disk")
+    daemon = Daemon(root, memory_bytes=None).start()
+    try:
+        carol, mallory = daemon.dep.salt("initech", "carol"), daemon.dep.salt("umbrella", "mallory")
+        saved, go, st = root / "saved", root / "go", root / "run-g"
+        reqs = [{"tokens": P, "salt": carol}, {"tokens": W, "salt": mallory, "after": str(saved)},
+                {"tokens": P, "salt": mallory, "before": str(go)},
+                {"tokens": P, "salt": carol}, {"tokens": P, "salt": carol}]
+        proc = start_engine(root, "run-g", reqs, daemon.options(st))
+        wait_for_file(saved, proc)
+        planted = plant_wrong_kv(daemon, mallory, source=W, target=P)
+        counters_before = {role: connector_counters(st, role) for role in ("scheduler", "worker")}
+        daemon_before = daemon.tier_stats()["lmdb"]
+        damaged = damage_records(daemon, carol, P)
+        go.touch()
+        res = finish(proc)
+        yield {"want": world[2]["P"], "res": res, "planted": planted, "damaged": damaged,
+               "before": counters_before, "daemon_before": daemon_before, "daemon_after": daemon.tier_stats()["lmdb"],
+               "after": {role: connector_counters(st, role) for role in ("scheduler", "worker")}}
+    finally:
+        daemon.stop()
+
+
+def _chain_keys(daemon: Daemon, salt: str, tokens: list[int]) -> tuple[Any, Any, list[Any]]:
+    """The source the engine's connector would use for ``salt``, its tenant, and the keys of
+    ``tokens``' full blocks in the salt's private scope (as the connector's private rule derives them)."""
+    from connectors.provision import DaemonSource
+    from kvtier.cache.kv_cache import RequestSegment
+    from kvtier.keys import ScopeKind
+    from storage_backends.grpc import GrpcTier, GrpcTierConfig
+
+    source = DaemonSource(GrpcTier(GrpcTierConfig(daemon.address, daemon.engine_token.read_text())), layout())
+    tenant = source.for_salt(salt)
+    assert tenant is not None
+    n = (len(tokens) - 1) // BT
+    return source, tenant, tenant.cache.chain(tenant.principal, [RequestSegment(tokens[: n * BT], ScopeKind.USER)])
+
+
+def plant_wrong_kv(daemon: Daemon, salt: str, *, source: list[int], target: list[int]) -> int:
+    """Store the KV the engine computed for ``source`` under ``target``'s keys, for ``salt``."""
+    src, tenant, from_chain = _chain_keys(daemon, salt, source)
+    try:
+        blocks = tenant.cache.load(tenant.principal, from_chain)
+        assert len(blocks) == len(from_chain), "the wrong document's blocks were saved"
+        _, _, to_chain = _chain_keys(daemon, salt, target)
+        return sum(tenant.cache.save(tenant.principal, to_chain, [b.data for b in blocks]).stored.values())
+    finally:
+        src.close()
+
+
+def damage_records(daemon: Daemon, salt: str, tokens: list[int]) -> int:
+    """Flip one byte, as bit rot would, in ``data.mdb`` inside each LMDB record of ``tokens``'
+    blocks: its last byte, part of the AES-GCM tag. Found by reading the record through LMDB and
+    locating its bytes in the file (a record larger than a page lies in consecutive pages)."""
+    import lmdb
+
+    src, _, chain = _chain_keys(daemon, salt, tokens)
+    src.close()
+    path = daemon.dep.root / "lmdb"
+    env = lmdb.open(str(path), max_dbs=8, lock=True, readonly=True)
+    try:
+        rec = env.open_db(b"rec", create=False)
+        with env.begin(db=rec) as txn:
+            values = [txn.get(bytes(cb.key)) for cb in chain]
+    finally:
+        env.close()
+    assert all(v is not None for v in values), "every block of the prompt is on disk"
+    with open(path / "data.mdb", "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+        for value in values:
+            at = data.find(value[:4096])
+            assert at >= 0 and data[at : at + len(value)] == value
+            data[at + len(value) - 1] ^= 0x01
+        data.flush()
+    return len(values)
+
+
+def test_control_wrong_kv_fails_the_comparison(disk_run) -> None:
+    """(g) The check that judges every output above can fail: with the KV of another document
+    loaded under the prompt's keys, the engine's output is not its own, and the comparison says so."""
+    res, want = disk_run["res"], disk_run["want"]
+    assert disk_run["planted"] == FULL // BT
+    wrong = res[2]
+    assert wrong["num_cached_tokens"] == FULL
+    loaded = disk_run["after"]["worker"]["loaded_blocks"] - disk_run["before"]["worker"].get("loaded_blocks", 0)
+    assert loaded >= FULL // BT, "the wrong KV was loaded, not missed"
+    m = compare(want, output(wrong), TOLERANCE)
+    assert not m.ok and not m.identical_tokens, f"wrong KV must fail the comparison: {m.describe()}"
+    assert m.max_logprob_diff > 100 * TOLERANCE
+    # The same comparison passes on the run's right outputs.
+    same_output(want, res[0], "carol's first request, computed")
+
+
+def test_damaged_records_are_recomputed_and_saved_again(disk_run) -> None:
+    """(h) A record damaged on disk fails its check in the daemon and is dropped; the request is
+    served with the engine's own output (the blocks are recomputed); the connector saves them
+    again, and the next request loads them."""
+    res, want = disk_run["res"], disk_run["want"]
+    before, after = disk_run["before"], disk_run["after"]
+    assert disk_run["damaged"] == FULL // BT
+    served, again = res[3], res[4]
+    same_output(want, served, "served while its records were damaged")
+    same_output(want, again, "served from the records saved again")
+    delta = {role: {k: after[role].get(k, 0) - before[role].get(k, 0) for k in after[role]} for role in after}
+    assert delta["worker"]["load_failed_blocks"] == FULL // BT, delta
+    assert delta["scheduler"]["resave_blocks"] == FULL // BT, delta
+    assert delta["worker"]["saved_blocks"] >= FULL // BT, "the recomputed blocks are saved again"
+    # Loaded: mallory's wrong KV, then carol's blocks saved again (the damaged ones were not loaded).
+    assert delta["worker"]["loaded_blocks"] == 2 * FULL // BT, delta
+    assert again["num_cached_tokens"] == FULL
+    errors_before = dict(disk_run["daemon_before"].errors)
+    errors_after = dict(disk_run["daemon_after"].errors)
+    assert errors_after.get("corrupt", 0) - errors_before.get("corrupt", 0) == FULL // BT
 
 
 def test_torch_is_the_cpu_build() -> None:

@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from connectors.identity import mint_salt
@@ -240,7 +241,7 @@ def test_another_tenant_and_forged_or_missing_salts_get_nothing(salt_key_file: s
     assert eng.scheduler.get_num_new_matched_tokens(request("r4", tokens, wrong_key), 0) == (0, False)
     assert eng.scheduler.get_num_new_matched_tokens(request("r5", tokens, "not a salt"), 0) == (0, False)
     assert eng.scheduler.get_num_new_matched_tokens(request("r6", tokens, None), 0) == (0, False)
-    assert eng.scheduler.stats["salt_rejected"] == 3
+    assert eng.scheduler.stats["salt_rejected"] == 3 and eng.scheduler.stats["no_salt"] == 1
     # The rightful owner still hits.
     assert eng.scheduler.get_num_new_matched_tokens(request("r7", tokens, mint_salt(SALT_KEY, "acme", "alice")),
                                                     0) == (4 * BLOCK, False)
@@ -295,6 +296,64 @@ def test_blocks_lost_after_lookup_are_reported_and_not_written(salt_key_file: st
     eng.worker.clear_connector_metadata()
     assert all(not t[torch.tensor([32, 33])].any() for t in eng.kv.values())  # untouched zeros
     assert all(t[torch.tensor([30, 31])].any() for t in eng.kv.values())
+
+
+def test_blocks_that_failed_to_load_are_saved_again_once_recomputed(salt_key_file: str) -> None:
+    """vLLM (kv_load_failure_policy="recompute") recomputes from the first block that failed to
+    load; the scheduler side hears of them (update_connector_output) and plans their save."""
+    eng = make_engine(vllm_config(salt_key_file))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(4 * BLOCK + 1)
+    run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=5)
+    req = request("r2", tokens, salt)
+    assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
+    # Between the scheduler's lookup and the worker's load, blocks 2.. vanish from every tier.
+    cache = eng.scheduler.source.cache
+    chain = cache.chain(Principal("acme", "alice"), [RequestSegment(tokens[: 4 * BLOCK], ScopeKind.USER)])
+    cache.store.delete([c.key for c in chain[2:]])
+    ids = [30, 31, 32, 33, 34]
+    eng.scheduler.update_state_after_alloc(req, blocks_of(ids), 4 * BLOCK)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData(req_id="r2", prompt_token_ids=tokens, mm_features=[],
+                                             sampling_params=req.sampling_params, pooling_params=None,
+                                             block_ids=(ids,), num_computed_tokens=4 * BLOCK, lora_request=None)]
+    out.num_scheduled_tokens = {"r2": 1}
+    meta = eng.scheduler.build_connector_meta(out)
+    assert meta.saves == []  # kvtier held all 4 at lookup
+    eng.worker.bind_connector_metadata(meta)
+    eng.worker.start_load_kv(None)
+    for name in LAYER_NAMES:
+        eng.worker.wait_for_layer_load(name)
+    eng.worker.wait_for_save()
+    invalid = eng.worker.get_block_ids_with_load_errors()
+    eng.worker.clear_connector_metadata()
+    assert invalid == {32, 33}
+    eng.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=invalid))
+    assert eng.scheduler.stats["resave_blocks"] == 2
+    # vLLM truncated the request to its first failed block and computes from there.
+    out2 = SchedulerOutput.make_empty()
+    out2.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["r2"], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+        new_block_ids=[None], num_computed_tokens=[2 * BLOCK], num_output_tokens=[0])
+    out2.num_scheduled_tokens = {"r2": 2 * BLOCK + 1}
+    assert [(j.start, j.end, j.block_ids) for j in eng.scheduler.build_connector_meta(out2).saves] == [
+        (2, 4, (32, 33))]
+    # Another request's failed blocks leave this one alone.
+    eng.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={7}))
+    assert eng.scheduler.stats["resave_blocks"] == 2
+
+
+def test_a_failing_load_policy_is_warned_about_at_start_up(salt_key_file: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    config = vllm_config(salt_key_file)
+    with caplog.at_level("WARNING", logger="kvtier.connector"):
+        make_engine(config)
+    assert any("kv_load_failure_policy='fail'" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    config.kv_transfer_config.kv_load_failure_policy = "recompute"
+    with caplog.at_level("WARNING", logger="kvtier.connector"):
+        make_engine(config)
+    assert not any("kv_load_failure_policy" in r.getMessage() for r in caplog.records)
 
 
 def test_async_load_reports_through_get_finished(salt_key_file: str) -> None:
