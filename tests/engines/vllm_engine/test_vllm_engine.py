@@ -159,7 +159,11 @@ def _spec(root: Path, name: str, requests: list[dict[str, Any]], kvtier: dict[st
     return spec
 
 
-ENGINE_ENV = {"PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+#: Every engine computes on the same threads (vLLM keeps one core back for its scheduler without a
+#: connector and two with one, which on two cores means none): the reference and the engines with
+#: kvtier run the same kernels, so their outputs can be compared closely.
+ENGINE_ENV = {"PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
 def _results(stdout: str) -> list[dict[str, Any]]:
