@@ -4,18 +4,27 @@ Workload (both sides, identical bytes and token ids, ``benchmarks/peer_payload.p
 8 KV heads x 128, fp16; requests of 2,048 tokens (256 MiB of KV), in chunks/blocks of 256 tokens
 (32 MiB). ``--quick``: 3 rounds of 3 requests of 512 tokens (64 MiB). Cases (``peer_cases.py``):
 
-* store (RAM), warm retrieve (RAM): a server with a 2 GiB RAM tier (LMCache: L1), no disk;
-* disk_store: a 64 MiB RAM tier with the encrypted disk behind it; each request stored once;
+* store, warm retrieve (RAM): a server with a 2 GiB RAM tier (LMCache: L1), no disk; kvtier in
+  two layouts: its blocks as contiguous tensors, and (``_paged``) vLLM-style pages of 16 tokens,
+  moved as the vLLM connector moves an engine's pages. LMCache always moves its client's pages (16
+  tokens, vLLM's NHD layout), so its figures stand beside both;
+* disk_store: the same RAM with the encrypted disk behind it; each request stored once;
 * disk_cold, disk_page_cache: requests put on the encrypted disk by one server are read by a
   freshly started one, first with the data files dropped from the page cache
   (``posix_fadvise(DONTNEED)`` on kvtier's ``data.mdb`` and on LMCache's L2 files, checked with
   ``mincore``), then again by another fresh server with the page cache warm.
 
+Preparation, the same for both (``peer_cases.py``; the JSON's ``untimed`` says what each side got in
+its own terms): the client's set-up, one warm-up request stored and read back, ``--warmup-passes``
+untimed read passes before the timed warm retrieve. The RAM phase runs once per first-touch state
+(``--first-touch``, both by default): ``prefaulted`` (every page of the RAM tier / L1 touched before
+timing) and ``cold`` (as a freshly started server has it); the disk phases start both cold.
+
 Rules: every phase starts fresh servers; in each round both systems run each phase back to back,
-and the system that goes first alternates from round to round; destinations are zeroed before
-every retrieve; a request counts as retrieved when its bytes are in the client's own buffer, and
-every byte is compared with its source, stores included (they are read back). A round in which a
-system lost or damaged a request has no GB/s for that case (``peer_report.py``).
+and the system that goes first alternates from phase to phase and round to round; destinations are
+zeroed before every retrieve; a request counts as retrieved when its bytes are in the client's own
+buffer, and every byte is compared with its source, stores included (they are read back). A round
+in which a system lost or damaged a request has no GB/s for that case (``peer_report.py``).
 
 What each side does per byte
 ----------------------------
@@ -64,11 +73,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import progress, write_json
-from benchmarks.peer_cases import CASES, CaseRun, Side, Workload
+from benchmarks.peer_cases import FIRST_TOUCH, CaseRun, Side, Workload
 from benchmarks.peer_report import data_planes, medians, notes, ratios, render
 from kvtier.errors import ConfigError
 
-PHASES = ("ram", "disk_store", "disk_read")
+#: Phase -> the first-touch state it runs in (the RAM phase: each one asked for).
+DISK_PHASES = ("disk_store", "disk_read")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,8 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per block / LMCache chunk (default 256)")
     p.add_argument("--memory-mib", type=float, default=2048, help="RAM tier / LMCache L1 (default 2048)")
-    p.add_argument("--small-memory-mib", type=float, default=64,
-                   help="RAM tier in front of the disk in the disk_store case (default 64)")
+    p.add_argument("--first-touch", choices=("both", *FIRST_TOUCH), default="both",
+                   help="first-touch state of the servers' memory in the RAM phase (default both)")
+    p.add_argument("--warmup-passes", type=int, default=1,
+                   help="untimed read passes before the timed warm retrieve, both sides (default 1)")
     p.add_argument("--no-fsync", action="store_true",
                    help="kvtier's disk tier without fsync (tiers.disk.sync=false), as LMCache's fs L2 writes")
     p.add_argument("--workdir", metavar="DIR", help="where servers keep their disk tiers (default: a temp dir)")
@@ -100,7 +112,7 @@ def workload(args: argparse.Namespace) -> Workload:
                         chunk_tokens=args.chunk_tokens,
                         request_tokens=args.request_tokens or (512 if quick else 2048),
                         requests=args.requests or (3 if quick else 4), rounds=args.rounds or (3 if quick else 5),
-                        memory_bytes=int(args.memory_mib * mib), small_memory_bytes=int(args.small_memory_mib * mib),
+                        memory_bytes=int(args.memory_mib * mib), warmup_passes=args.warmup_passes,
                         page_tokens=min(16, args.chunk_tokens))
     except ValueError as exc:
         raise ConfigError(f"kvtier bench peer: {exc}") from None
@@ -122,21 +134,29 @@ def sides(args: argparse.Namespace, w: Workload, workdir: Path) -> list[Side]:
     return out
 
 
-def measure(systems: list[Side], w: Workload) -> list[dict[str, Any]]:
-    """Every round: each phase by every system, back to back; who goes first alternates."""
+def touches(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(FIRST_TOUCH) if args.first_touch == "both" else (args.first_touch,)
+
+
+def measure(systems: list[Side], w: Workload, ram_touches: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every round: each phase by every system, back to back; who goes first alternates from
+    phase to phase and round to round. A round's record holds, per first-touch state, each
+    system's cases (the disk phases under ``cold``)."""
     rounds = []
+    steps = [("ram", t) for t in ram_touches] + [(p, "cold") for p in DISK_PHASES]
     for i in range(w.rounds):
-        order = systems if i % 2 == 0 else systems[::-1]
-        rec: dict[str, Any] = {"round": i, "order": [s.name for s in order]}
-        for phase_no, phase in enumerate(PHASES):
-            seed = 1 + 10 * i + phase_no  # both systems store the same bytes under the same tokens
+        rec: dict[str, Any] = {"round": i, "order": {}}
+        for k, (phase, touch) in enumerate(steps):
+            seed = 1 + 10 * i + (k if phase == "ram" else 5 + DISK_PHASES.index(phase))  # same bytes both sides
+            order = systems if (i + k) % 2 == 0 else systems[::-1]
+            rec["order"][f"{phase}/{touch}"] = [s.name for s in order]
             for side in order:
-                progress(f"round {i + 1}/{w.rounds}: {side.name} {phase}")
+                progress(f"round {i + 1}/{w.rounds}: {side.name} {phase} ({touch})")
                 t0 = time.monotonic()
-                runs: dict[str, CaseRun] = getattr(side, phase)(seed)
-                rec.setdefault(side.name, {}).update({k: v.as_dict() for k, v in runs.items()})
+                runs: dict[str, CaseRun] = (side.ram(seed, touch) if phase == "ram" else getattr(side, phase)(seed))
+                rec.setdefault(touch, {}).setdefault(side.name, {}).update({k2: v.as_dict() for k2, v in runs.items()})
                 progress(f"  {side.name} {phase}: " + ", ".join(
-                    f"{k} {'-' if v.gbps is None else f'{v.gbps:.3f}'} GB/s" for k, v in runs.items())
+                    f"{k2} {'-' if v.gbps is None else f'{v.gbps:.3f}'} GB/s" for k2, v in runs.items())
                     + f" ({time.monotonic() - t0:.0f}s)")
         rounds.append(rec)
     return rounds
@@ -144,6 +164,7 @@ def measure(systems: list[Side], w: Workload) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     w = workload(args)
+    ram_touches = touches(args)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-peer-", dir=args.workdir) as tmp, ExitStack() as stack:
         systems = sides(args, w, Path(tmp))
         for side in systems:
@@ -151,17 +172,24 @@ def run(args: argparse.Namespace) -> int:
         progress(f"{' vs '.join(s.name for s in systems)}: {w.rounds} rounds x {w.requests} requests of "
                  f"{w.request_tokens} tokens ({w.request_bytes / (1 << 20):.0f} MiB each)")
         config = {"workload": w.as_dict(), **{s.name: s.describe() for s in systems},
-                  "order": "each phase back to back per round; who goes first alternates",
+                  "order": "each phase back to back per round; who goes first alternates from phase to phase "
+                           "and round to round",
+                  "first_touch": {t: FIRST_TOUCH[t] for t in dict.fromkeys((*ram_touches, "cold"))},
                   "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}}
-        rounds = measure(systems, w)
+        untimed = {s.name: {t: s.untimed(t) for t in dict.fromkeys((*ram_touches, "cold"))} for s in systems}
+        rounds = measure(systems, w, ram_touches)
     names = [s.name for s in systems]
     peer = "lmcache"
-    per_system = {name: medians(rounds, name) for name in names}
+    variants: dict[str, Any] = {}
+    for touch in dict.fromkeys((*ram_touches, "cold")):
+        per_system = {name: medians(rounds, name, touch) for name in names}
+        variants[touch] = {
+            "ratios": (ratios(per_system["kvtier"], per_system[peer]) if len(names) == 2
+                       else dict.fromkeys(per_system[names[0]])),
+            "medians": per_system}
     result: dict[str, Any] = {
-        "benchmark": "peer", "peer": peer, "command": _command(args),
-        "ratios": (ratios(per_system["kvtier"], per_system[peer]) if len(names) == 2
-                   else dict.fromkeys(CASES)),
-        "medians": per_system, "data_planes": {name: data_planes(rounds, name) for name in names},
+        "benchmark": "peer", "peer": peer, "command": _command(args), "variants": variants, "untimed": untimed,
+        "data_planes": {name: data_planes(rounds, name) for name in names},
         "rounds": rounds, "config": config, "time": time.time(),
     }
     print(f"kvtier vs {peer}: {w.rounds} rounds x {w.requests} requests of {w.request_tokens} tokens "
@@ -172,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     for line in notes(result):
         print(f"  note: {line}")
     write_json(args.json, result)
-    kvtier_lost = any(m["rounds_failed"] for m in per_system.get("kvtier", {}).values())
+    kvtier_lost = any(m["rounds_failed"] for v in variants.values() for m in v["medians"].get("kvtier", {}).values())
     return 1 if kvtier_lost else 0
 
 
@@ -186,6 +214,8 @@ def _command(args: argparse.Namespace) -> str:
         parts.append(f"--only {args.only}")
     if args.no_fsync:
         parts.append("--no-fsync")
+    if args.first_touch != "both":
+        parts.append(f"--first-touch {args.first_touch}")
     for flag in ("rounds", "requests", "request_tokens"):
         v = getattr(args, flag)
         if v:

@@ -1,9 +1,18 @@
-"""What ``kvtier bench peer`` measures: the workload, the five cases, and one case's result.
+"""What ``kvtier bench peer`` measures: the workload, the cases, the preparation, one case's result.
 
 Both sides run the same ``Workload`` and report a ``CaseRun`` per case per round. A case's GB/s
 counts a round only when every request of it was verified byte for byte; a round in which a
 system lost or damaged any request has no GB/s for that case (the failure is reported instead),
 so a system cannot look fast by dropping work.
+
+Both sides get the same preparation before anything is timed (``Side.untimed`` says, per side,
+what that was in its terms): the client's one-time set-up and one warm-up request stored and
+read back; before the timed warm retrieve, ``warmup_passes`` untimed read passes over the same
+requests. The servers' memory starts in one first-touch state on both sides (``FIRST_TOUCH``):
+``prefaulted`` (every page of the RAM tier / L1 touched before timing) or ``cold`` (as a freshly
+started server has it); a run measures the RAM cases in both unless told otherwise. The disk
+phases always start both sides cold: a prefaulted L1 would take filler stores that LMCache writes
+on to its L2 in the background, during the timed reads.
 """
 
 from __future__ import annotations
@@ -16,9 +25,18 @@ from typing import Any, Protocol
 CASES: dict[str, str] = {
     "store": "store (RAM)",
     "warm_retrieve": "warm retrieve (RAM)",
+    "store_paged": "store (RAM), kvtier from vLLM-style pages",
+    "warm_retrieve_paged": "warm retrieve (RAM), kvtier into vLLM-style pages",
     "disk_page_cache": "retrieve from encrypted disk, in page cache",
     "disk_cold": "retrieve from encrypted disk, page cache dropped",
-    "disk_store": "store with the disk tier behind a small memory tier",
+    "disk_store": "store with the encrypted disk tier behind RAM",
+}
+#: Cases measured in the RAM phase, once per first-touch state.
+RAM_CASES = ("store", "warm_retrieve", "store_paged", "warm_retrieve_paged")
+#: The first-touch states of the servers' memory a run can measure (module docstring).
+FIRST_TOUCH: dict[str, str] = {
+    "prefaulted": "every page of the RAM tier (LMCache: L1) touched before timing",
+    "cold": "the RAM tier (LMCache: L1) as a freshly started server has it",
 }
 
 
@@ -38,8 +56,8 @@ class Workload:
     rounds: int = 5
     #: Both sides' RAM tier (LMCache: L1).
     memory_bytes: int = 2 << 30
-    #: The memory tier in front of the disk in the disk_store case.
-    small_memory_bytes: int = 64 << 20
+    #: Untimed read passes over the stored requests before the timed warm retrieve (both sides).
+    warmup_passes: int = 1
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -47,6 +65,8 @@ class Workload:
             raise ValueError("request_tokens must be a multiple of chunk_tokens, and chunk_tokens of page_tokens")
         if min(self.layers, self.kv_heads, self.head_dim, self.requests, self.rounds) < 1:
             raise ValueError("layers, kv_heads, head_dim, requests and rounds must be positive")
+        if self.warmup_passes < 0:
+            raise ValueError("warmup_passes must not be negative")
 
     @property
     def chunks_per_request(self) -> int:
@@ -56,6 +76,14 @@ class Workload:
     def chunk_shape(self) -> tuple[int, int, int, int, int]:
         """kvtier's block shape, and the order in which the driver lays a chunk into LMCache's pages."""
         return (self.layers, 2, self.chunk_tokens, self.kv_heads, self.head_dim)
+
+    @property
+    def pages_per_chunk(self) -> int:
+        return self.chunk_tokens // self.page_tokens
+
+    @property
+    def pages_per_request(self) -> int:
+        return self.request_tokens // self.page_tokens
 
     @property
     def chunk_bytes(self) -> int:
@@ -110,7 +138,8 @@ class CaseRun:
 
 
 class Side(Protocol):
-    """One system under test. Each phase starts its own fresh server(s) and stops them."""
+    """One system under test. Each phase starts its own fresh server(s) and stops them; ``touch``
+    (RAM phase) is one of ``FIRST_TOUCH``; the disk phases start cold."""
 
     name: str
 
@@ -118,16 +147,20 @@ class Side(Protocol):
         """The configuration the report records (versions, tiers, encryption, durability)."""
         ...
 
+    def untimed(self, touch: str) -> list[str]:
+        """What this side was given before timing, in its own terms (the report records it)."""
+        ...
+
     def close(self) -> None:
         """Stop whatever the side keeps between phases (servers never outlive their phase)."""
         ...
 
-    def ram(self, seed: int) -> dict[str, CaseRun]:
-        """``store`` and ``warm_retrieve`` against a RAM tier of ``memory_bytes``."""
+    def ram(self, seed: int, touch: str) -> dict[str, CaseRun]:
+        """``store``, ``warm_retrieve`` and their ``_paged`` twins against a RAM tier of ``memory_bytes``."""
         ...
 
     def disk_store(self, seed: int) -> dict[str, CaseRun]:
-        """``disk_store``: stores into ``small_memory_bytes`` of RAM with the encrypted disk behind."""
+        """``disk_store``: stores into ``memory_bytes`` of RAM with the encrypted disk behind."""
         ...
 
     def disk_read(self, seed: int) -> dict[str, CaseRun]:

@@ -13,8 +13,16 @@ its key derived (HKDF-SHA256) from a master key file written here, mode 0600. Th
 worker per CPU, so decryption may use every core.
 
 LMCache writes L2 in the background and skips what does not fit in L1, so every store is verified
-by a later read: the RAM stores by the warm retrieves, the disk_store stores by a fresh server with
-a full-size L1 reading them from L2 (a 64 MiB L1 cannot stage a larger request's prefetch).
+by a later read: the RAM stores by the warm retrieves, the disk_store stores by a fresh server
+reading them from L2.
+
+Preparation (untimed, as kvtier's side gets it): the client's registration and a lookup of a key
+nobody stored; in the RAM and disk_store phases one warm-up request stored and read back; before
+the timed warm retrieve, ``warmup_passes`` read passes. ``prefaulted`` (RAM phase): LMCache has no
+setting that touches L1 at start-up on CPU (its pool is a lazily faulted ``torch.empty``), so the
+driver stores filler requests until L1's capacity has been written once, then empties L1 through
+the server's ``POST /cache/clear``: the pool keeps the pages it touched. LMCache has one layout, the
+client's pages, so its store and warm retrieve are also the figures of the ``_paged`` cases.
 """
 
 from __future__ import annotations
@@ -92,32 +100,46 @@ class LmcacheSide:
     def describe(self) -> dict[str, Any]:
         return {"server": f"LMCache {self.version} multiprocess http_server (zmq)",
                 "client": "lmcache_driven transfer over POSIX shared memory (peer_lmcache_driver.py)",
-                "l1_bytes": self.w.memory_bytes, "small_l1_bytes": self.w.small_memory_bytes,
+                "l1_bytes": self.w.memory_bytes, "layout": "paged (its only one): the _paged cases reuse "
+                "its store and warm retrieve figures",
                 "eviction_policy": "LRU", "chunk_tokens": self.w.chunk_tokens, "page_tokens": self.w.page_tokens,
                 "disk": "fs L2 adapter, aesgcm serde (AES-256-GCM, HKDF-SHA256 per cache_salt)",
                 "serde_workers": os.cpu_count() or 1, "disk_fsync": False, "LMCACHE_TRACK_USAGE": "false"}
 
+    def untimed(self, touch: str) -> list[str]:
+        out = ["client set-up: registration of its paged KV cache and a lookup of a key nobody stored",
+               "RAM and disk_store phases: one warm-up request (not measured) stored and read back",
+               f"warm retrieve: {self.w.warmup_passes} untimed read pass(es) over the stored requests first"]
+        out.append("RAM phase: L1 written once over with filler stores, then emptied (POST /cache/clear)"
+                   if touch == "prefaulted" else "RAM phase: L1 as the server allocated it")
+        out.append("disk phases: L1 as the server allocated it")
+        return out
+
     # -- phases -----------------------------------------------------------------------------------
-    def ram(self, seed: int) -> dict[str, CaseRun]:
-        with self._server(self.w.memory_bytes, None) as url:
-            out = self._session(url, seed, ["store", "retrieve"])
-        store = self._timed(out["store"])
+    def ram(self, seed: int, touch: str) -> dict[str, CaseRun]:
+        with self._server(self.w.memory_bytes, None) as (url, http):
+            ops = ["warmup", *(["fill"] if touch == "prefaulted" else []), "store",
+                   *(["read_pass"] * self.w.warmup_passes), "retrieve"]
+            out = self._session(url, seed, ops, http=http)
+        store = self._timed(out["store"], out.get("store_visible_s"))
         warm = self._reads(out["retrieve"])
         store.verified = warm.verified  # the warm reads are what prove the stores
-        return {"store": store, "warm_retrieve": warm}
+        # One layout (the client's pages): the same figures are the paged cases'.
+        return {"store": store, "warm_retrieve": warm, "store_paged": store, "warm_retrieve_paged": warm}
 
     def disk_store(self, seed: int) -> dict[str, CaseRun]:
         l2 = self.workdir / f"l2-store-{seed}"
         l2.mkdir()
         try:
-            with self._server(self.w.small_memory_bytes, l2) as url:
-                case = self._timed(self._session(url, seed, ["store"])["store"])
+            with self._server(self.w.memory_bytes, l2) as (url, _):
+                stored = self._session(url, seed, ["warmup", "store"])
+                case = self._timed(stored["store"], stored.get("store_visible_s"))
                 landed = self._wait_l2(l2)
-            expected = self.w.requests * self.w.chunks_per_request
+            expected = (self.w.requests + 1) * self.w.chunks_per_request  # the warm-up request too
             if landed < expected:
                 case.notes.append(f"{landed} of {expected} chunks reached L2 (LMCache skips stores "
                                   "that do not fit in L1 and still reports them stored)")
-            with self._server(self.w.memory_bytes, l2) as url:
+            with self._server(self.w.memory_bytes, l2) as (url, _):
                 case.verified = self._reads(self._session(url, seed, ["retrieve"])["retrieve"]).verified
         finally:
             shutil.rmtree(l2)
@@ -127,7 +149,7 @@ class LmcacheSide:
         l2 = self.workdir / f"l2-read-{seed}"
         l2.mkdir()
         try:
-            with self._server(self.w.memory_bytes, l2) as url:
+            with self._server(self.w.memory_bytes, l2) as (url, _):
                 self._session(url, seed, ["store"])
                 landed = self._wait_l2(l2)
             if landed < self.w.requests * self.w.chunks_per_request:
@@ -137,7 +159,7 @@ class LmcacheSide:
             drop(files)
             out = {}
             for case in ("disk_cold", "disk_page_cache"):
-                with self._server(self.w.memory_bytes, l2) as url:
+                with self._server(self.w.memory_bytes, l2) as (url, _):
                     resident = resident_fraction(files)
                     out[case] = self._reads(self._session(url, seed, ["retrieve"])["retrieve"])
                     out[case].page_cache_resident = resident
@@ -149,9 +171,12 @@ class LmcacheSide:
     def _case(self) -> CaseRun:
         return CaseRun(self.w.request_bytes, self.w.requests, data_plane="shm (lmcache_driven, CPU)")
 
-    def _timed(self, rows: list[dict[str, Any]]) -> CaseRun:
+    def _timed(self, rows: list[dict[str, Any]], visible_s: float | None = None) -> CaseRun:
         case = self._case()
         case.seconds = [float(r["seconds"]) for r in rows]
+        if visible_s is not None:
+            case.notes.append(f"a LOOKUP found the last request {visible_s * 1e3:.0f} ms after its STORE "
+                              "resolved (untimed wait)")
         return case
 
     def _reads(self, rows: list[dict[str, Any]]) -> CaseRun:
@@ -168,7 +193,8 @@ class LmcacheSide:
 
     # -- processes --------------------------------------------------------------------------------
     @contextmanager
-    def _server(self, l1_bytes: int, l2: Path | None) -> Iterator[str]:
+    def _server(self, l1_bytes: int, l2: Path | None) -> Iterator[tuple[str, str]]:
+        """A fresh MP server: its request URL (zmq) and its HTTP URL."""
         port, http_port = _free_port(), _free_port()
         cmd = [str(self.python), "-m", "lmcache.v1.multiprocess.http_server",
                "--l1-size-gb", repr(l1_bytes / (1 << 30)), "--eviction-policy", "LRU",
@@ -185,16 +211,17 @@ class LmcacheSide:
             proc = subprocess.Popen(cmd, cwd=self.workdir, env=lmcache_env(), stdout=f, stderr=f)
         try:
             _wait_healthy(f"http://127.0.0.1:{http_port}/healthcheck", proc, log)
-            yield f"tcp://127.0.0.1:{port}"
+            yield f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
         finally:
             stop_process(proc)
             log.unlink()
 
-    def _session(self, url: str, seed: int, ops: list[str]) -> dict[str, Any]:
+    def _session(self, url: str, seed: int, ops: list[str], *, http: str = "") -> dict[str, Any]:
         w = self.w
-        plan = {"rpc_url": url, "layers": w.layers, "kv_heads": w.kv_heads, "head_dim": w.head_dim,
-                "chunk_tokens": w.chunk_tokens, "page_tokens": w.page_tokens, "request_tokens": w.request_tokens,
-                "requests": w.requests, "seed": seed, "ops": ops, "timeout_s": w.timeout_s}
+        plan = {"rpc_url": url, "http_url": http, "layers": w.layers, "kv_heads": w.kv_heads,
+                "head_dim": w.head_dim, "chunk_tokens": w.chunk_tokens, "page_tokens": w.page_tokens,
+                "request_tokens": w.request_tokens, "requests": w.requests, "seed": seed, "ops": ops,
+                "timeout_s": w.timeout_s, "l1_bytes": w.memory_bytes}
         return self._driver().session(plan)
 
     def _driver(self) -> _Driver:

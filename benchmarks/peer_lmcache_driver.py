@@ -13,7 +13,15 @@ pages. A STORE sends only page ids; the server copies those pages into its L1 me
 LOOKUP (the server pins the chunks, loading them from L2 into L1 when L1 lacks them), a blocking
 wait for that prefetch (as LMCache's SGLang adapter does; no client-side polling interval), then
 RETRIEVE, which copies L1 into the client's pages. Sources live in pages ``1 ..`` (page 0 is
-LMCache's null block), destinations in a second range, zeroed before every retrieve.
+LMCache's null block), one slot per request plus one for the warm-up request, destinations in a
+second range, zeroed before every retrieve.
+
+Operations of a session, in the order the plan lists them: ``warmup`` (store and read back, verified,
+one request outside the measured ones), ``fill`` (filler stores of the request pages under other
+token ids until L1's capacity has been written once, then ``POST /cache/clear``: L1 empty, its pages
+touched), ``store`` (timed stores), ``read_pass`` (an untimed, verified read of every request) and
+``retrieve`` (timed, verified reads). Every session starts with the client's set-up: registration and
+a lookup of a key nobody stored.
 
 LMCache skips chunks it cannot place in L1 and still reports the STORE as successful, so a store
 proves nothing by itself: every request is verified by retrieving it (here or in a later session)
@@ -33,6 +41,9 @@ from peer_payload import chunk_payload, request_tokens, same_bytes
 
 MODEL = "kvtier-peer-bench"
 INSTANCE_ID = 4242
+#: The warm-up request's index (never one of the measured ones); fillers are 2000, 2001, ...
+WARM_UP = 999
+FILLER = 2000
 
 
 class DriverError(RuntimeError):
@@ -42,6 +53,8 @@ class DriverError(RuntimeError):
 @dataclass(frozen=True)
 class Plan:
     rpc_url: str
+    http_url: str
+    l1_bytes: int
     layers: int
     kv_heads: int
     head_dim: int
@@ -84,7 +97,7 @@ class Client:
         chunk = self.rpc.get_chunk_size().result(timeout=plan.timeout_s)
         if chunk != plan.chunk_tokens:
             raise DriverError(f"server chunk size {chunk} != planned {plan.chunk_tokens}")
-        pages = 1 + 2 * plan.requests * plan.pages_per_request
+        pages = 1 + 2 * (plan.requests + 1) * plan.pages_per_request
         shape = (2, pages, plan.page_tokens, plan.kv_heads, plan.head_dim)
         self.kv = {f"layer.{i}": torch.zeros(shape, dtype=torch.float16) for i in range(plan.layers)}
         self.ctx = create_transfer_context(self.kv, mode="lmcache_driven", instance_id=INSTANCE_ID,
@@ -98,7 +111,8 @@ class Client:
 
     # -- pages -------------------------------------------------------------------------------------
     def _first_page(self, r: int, *, dst: bool) -> int:
-        return 1 + ((self.plan.requests if dst else 0) + r) * self.plan.pages_per_request
+        slot = self.plan.requests if r == WARM_UP else r % self.plan.requests
+        return 1 + ((self.plan.requests + 1 if dst else 0) + slot) * self.plan.pages_per_request
 
     def pages(self, r: int, *, dst: bool) -> list[int]:
         first = self._first_page(r, dst=dst)
@@ -111,7 +125,7 @@ class Client:
     def fill_sources(self) -> None:
         p = self.plan
         shape = (p.layers, 2, p.chunk_tokens, p.kv_heads, p.head_dim)
-        for r in range(p.requests):
+        for r in [*range(p.requests), WARM_UP]:
             for c in range(p.chunks_per_request):
                 data = chunk_payload(p.seed, r, c, shape)
                 first = self._first_page(r, dst=False) + c * p.pages_per_chunk
@@ -139,11 +153,45 @@ class Client:
                                  end=len(toks), request_id=self.request_id(r), num_kv_readers=1)
 
     def store(self, r: int) -> None:
+        """Store request ``r`` from its source pages (a filler ``r`` >= FILLER reuses the pages of
+        request ``r % requests`` under its own token ids)."""
         event = self.ctx.create_recorded_event()
         fut = self.ctx.submit_store(self.request_id(r), self._key(r, worker=0), self.kv,
                                     [self.pages(r, dst=False)], event, self.plan.pages_per_chunk)
         if not fut.result(timeout=self.plan.timeout_s):
             raise DriverError(f"STORE of request {r} failed")
+
+    def wait_visible(self, r: int) -> float:
+        """Seconds until a LOOKUP finds every chunk of request ``r`` (polled; DriverError after the timeout)."""
+        t0 = time.perf_counter()
+        while True:
+            hits = self.lookup(r)
+            self.release(r, hits)
+            if hits == self.plan.chunks_per_request:
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > self.plan.timeout_s:
+                raise DriverError(f"request {r} was stored but a lookup finds {hits} of its chunks")
+            time.sleep(0.001)
+
+    def set_up(self) -> None:
+        """The client's first call, untimed: a lookup of a key nobody stored."""
+        if self.lookup(WARM_UP + 1) != 0:
+            raise DriverError("a fresh server found a request nobody stored")
+        self.release(WARM_UP + 1, 0)
+
+    def fill_and_clear(self) -> None:
+        """Write L1's capacity once with filler stores, then empty it (its pages stay touched)."""
+        import urllib.request
+
+        request_bytes = self.plan.request_tokens * self.plan.layers * 2 * self.plan.kv_heads * self.plan.head_dim * 2
+        for k in range(-(-self.plan.l1_bytes // request_bytes)):
+            self.store(FILLER + k)
+            self.rpc.end_session(self.request_id(FILLER + k)).result(timeout=self.plan.timeout_s)
+        req = urllib.request.Request(self.plan.http_url + "/cache/clear", data=b'{"force": true}',
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=self.plan.timeout_s) as resp:
+            if resp.status != 200:
+                raise DriverError(f"POST /cache/clear answered {resp.status}")
 
     def lookup(self, r: int) -> int:
         """LOOKUP and wait for its prefetch (L2 -> L1); the chunks found, now read-locked."""
@@ -199,16 +247,30 @@ def run(plan: Plan) -> dict[str, Any]:
     client = Client(plan)
     try:
         client.fill_sources()
+        client.set_up()
         for op in plan.ops:
-            for r in range(plan.requests):
-                if op == "store":
+            if op == "warmup":
+                client.store(WARM_UP)
+                client.wait_visible(WARM_UP)
+                got = _retrieve(client, WARM_UP)
+                if not got["verified"]:
+                    raise DriverError(f"the warm-up request did not come back intact: {got}")
+            elif op == "fill":
+                client.fill_and_clear()
+            elif op == "store":
+                for r in range(plan.requests):
                     t0 = time.perf_counter()
                     client.store(r)
                     out["store"].append({"request": r, "seconds": time.perf_counter() - t0})
-                elif op == "retrieve":
-                    out["retrieve"].append(_retrieve(client, r))
-                else:
-                    raise DriverError(f"unknown op {op!r}: store or retrieve")
+                # Untimed: a STORE resolves shortly before a LOOKUP finds what it stored.
+                out["store_visible_s"] = client.wait_visible(plan.requests - 1)
+            elif op == "read_pass":
+                for r in range(plan.requests):
+                    _retrieve(client, r)
+            elif op == "retrieve":
+                out["retrieve"] += [_retrieve(client, r) for r in range(plan.requests)]
+            else:
+                raise DriverError(f"unknown op {op!r}: warmup, fill, store, read_pass or retrieve")
     finally:
         client.close()
     return out

@@ -11,14 +11,17 @@ import statistics
 from typing import Any
 
 from benchmarks.common import table
-from benchmarks.peer_cases import CASES
+from benchmarks.peer_cases import CASES, FIRST_TOUCH
 
 
-def medians(rounds: list[dict[str, Any]], system: str) -> dict[str, dict[str, Any]]:
-    """Case -> {gbps, ms_per_request, rounds_complete, rounds_failed, notes} for ``system``."""
+def medians(rounds: list[dict[str, Any]], system: str, touch: str) -> dict[str, dict[str, Any]]:
+    """Case -> {gbps, ms_per_request, rounds_complete, rounds_failed, notes} for ``system``, over
+    the cases measured in first-touch state ``touch`` (in CASES order)."""
     out: dict[str, dict[str, Any]] = {}
     for case in CASES:
-        runs = [r[system][case] for r in rounds if case in r.get(system, {})]
+        runs = [r[touch][system][case] for r in rounds if case in r.get(touch, {}).get(system, {})]
+        if not runs:
+            continue
         gbps = [x["gbps"] for x in runs if x["gbps"] is not None]
         ms = [m for x in runs if x["gbps"] is not None for m in x["ms_per_request"]]
         notes = sorted({n for x in runs for n in x["notes"]})
@@ -31,8 +34,8 @@ def medians(rounds: list[dict[str, Any]], system: str) -> dict[str, dict[str, An
 
 def ratios(ours: dict[str, dict[str, Any]], peer: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
-    for case in CASES:
-        a, b = ours[case]["gbps"], peer[case]["gbps"]
+    for case in ours:
+        a, b = ours[case]["gbps"], peer.get(case, {}).get("gbps")
         out[case] = round(a / b, 3) if a is not None and b else None
     return out
 
@@ -50,30 +53,34 @@ def _cell(m: dict[str, Any] | None) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    """The table: one row per case, GB/s (median ms per request) of each system and the ratio."""
-    med = result["medians"]
+    """The table: per first-touch state, one row per case, GB/s (median ms per request) of each
+    system and the ratio."""
     peer = result["peer"]
     rows = []
-    for case, label in CASES.items():
-        ratio = result["ratios"].get(case)
-        rows.append({"path": label, "kvtier": _cell(med.get("kvtier", {}).get(case)),
-                     peer: _cell(med.get(peer, {}).get(case)),
-                     "ratio": "-" if ratio is None else f"{ratio:.2f}x"})
-    cols = [("path", "path", ""), ("kvtier", "kvtier daemon", ""), (peer, f"{peer} MP", ""),
-            ("ratio", f"kvtier / {peer}", "")]
+    for touch, v in result["variants"].items():
+        med = v["medians"]
+        cases = next(iter(med.values())).keys() if med else ()
+        for case in cases:
+            ratio = v["ratios"].get(case)
+            rows.append({"touch": touch, "path": CASES[case], "kvtier": _cell(med.get("kvtier", {}).get(case)),
+                         peer: _cell(med.get(peer, {}).get(case)),
+                         "ratio": "-" if ratio is None else f"{ratio:.2f}x"})
+    cols = [("touch", "first touch", ""), ("path", "path", ""), ("kvtier", "kvtier daemon", ""),
+            (peer, f"{peer} MP", ""), ("ratio", f"kvtier / {peer}", "")]
     return table(rows, cols)
 
 
 def notes(result: dict[str, Any]) -> list[str]:
     """Failures and page-cache residency worth printing under the table."""
     out = []
-    for system, per_case in result["medians"].items():
-        for case, m in per_case.items():
-            out += [f"{system} {case}: {n}" for n in m["notes"]]
+    for touch, v in result["variants"].items():
+        for system, per_case in v["medians"].items():
+            for case, m in per_case.items():
+                out += [f"{system} {case} ({touch}): {n}" for n in m["notes"]]
     for r in result["rounds"]:
-        for system in result["medians"]:
+        for system, per_case in r.get("cold", {}).items():
             for case in ("disk_cold", "disk_page_cache"):
-                res = r.get(system, {}).get(case, {}).get("page_cache_resident")
+                res = per_case.get(case, {}).get("page_cache_resident")
                 unexpected = res is not None and (res > 0.05 if case == "disk_cold" else res < 0.95)
                 if unexpected:
                     out.append(f"round {r['round']} {system} {case}: {res:.0%} of the data files were in the page "
@@ -83,4 +90,5 @@ def notes(result: dict[str, Any]) -> list[str]:
 
 def data_planes(rounds: list[dict[str, Any]], system: str) -> list[str]:
     """Every data plane the system's client reported (one, unless it fell back somewhere)."""
-    return sorted({c["data_plane"] for r in rounds for c in r.get(system, {}).values() if c.get("data_plane")})
+    return sorted({c["data_plane"] for r in rounds for touch in FIRST_TOUCH
+                   for c in r.get(touch, {}).get(system, {}).values() if c.get("data_plane")})

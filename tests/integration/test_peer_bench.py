@@ -19,11 +19,13 @@ from benchmarks.peer_cases import CASES
 from benchmarks.peer_lmcache import VENV_PYTHON, LmcacheUnavailable, check_venv
 from kvtier.cli.main import main as cli_main
 
-#: 2 layers x 2 heads x 64, fp16: 256 KiB blocks, 512 KiB requests; a 256 KiB memory tier in
-#: front of the disk, so the disk_store case spills.
+#: 2 layers x 2 heads x 64, fp16: 256 KiB blocks, 512 KiB requests; a 64 MiB memory tier holds a
+#: phase's requests and its warm-up request (and LMCache's L2 writes stage in L1).
 TINY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--request-tokens", "512", "--requests", "2",
-        "--rounds", "1", "--memory-mib", "64", "--small-memory-mib", "0.25"]
+        "--rounds", "1", "--memory-mib", "64"]
 REQUEST_BYTES = 2 * 2 * 512 * 2 * 64 * 2
+RAM_CASES = ("store", "warm_retrieve", "store_paged", "warm_retrieve_paged")
+DISK_CASES = ("disk_page_cache", "disk_cold", "disk_store")
 
 
 def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
@@ -32,26 +34,34 @@ def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-def _check_side(r: dict[str, Any], system: str, cases: tuple[str, ...]) -> None:
-    assert set(r["ratios"]) == set(CASES)
+def _check_side(r: dict[str, Any], system: str, disk_cases: tuple[str, ...] = DISK_CASES) -> None:
+    """Both first-touch states of the RAM cases and the disk cases (cold) ran, every request intact."""
+    assert set(r["variants"]) == {"prefaulted", "cold"}
+    assert set(r["variants"]["prefaulted"]["ratios"]) == set(RAM_CASES)
+    assert set(r["variants"]["cold"]["ratios"]) == set(CASES)
     assert len(r["rounds"]) == 1 and r["rounds"][0]["order"]
-    per_case = r["rounds"][0][system]
-    for case in cases:
-        run = per_case[case]
-        assert run["requests"] == 2 and run["verified_requests"] == 2, (case, run["notes"])
-        assert run["verified_bytes"] == 2 * REQUEST_BYTES
-        assert len(run["ms_per_request"]) == 2 and run["gbps"] is not None
-        assert r["medians"][system][case]["rounds_complete"] == 1
+    for touch, cases in (("prefaulted", RAM_CASES), ("cold", RAM_CASES + disk_cases)):
+        per_case = r["rounds"][0][touch][system]
+        for case in cases:
+            run = per_case[case]
+            assert run["requests"] == 2 and run["verified_requests"] == 2, (touch, case, run["notes"])
+            assert run["verified_bytes"] == 2 * REQUEST_BYTES
+            assert len(run["ms_per_request"]) == 2 and run["gbps"] is not None
+            assert r["variants"][touch]["medians"][system][case]["rounds_complete"] == 1
     for case in ("disk_cold", "disk_page_cache"):
-        assert 0.0 <= per_case[case]["page_cache_resident"] <= 1.0
+        assert 0.0 <= r["rounds"][0]["cold"][system][case]["page_cache_resident"] <= 1.0
     assert r["config"]["workload"]["request_tokens"] == 512 and system in r["config"]
+    # What the side got before timing is recorded, per first-touch state.
+    assert set(r["untimed"][system]) == {"prefaulted", "cold"}
+    assert r["untimed"][system]["prefaulted"] != r["untimed"][system]["cold"]
 
 
 def test_kvtier_half(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     r = _run(tmp_path, "--only", "kvtier")
-    _check_side(r, "kvtier", tuple(CASES))
-    assert all(v is None for v in r["ratios"].values())  # one side: nothing to divide by
+    _check_side(r, "kvtier")
+    assert all(v is None for x in r["variants"].values() for v in x["ratios"].values())  # nothing to divide by
     assert r["config"]["kvtier"]["disk_fsync"] is True
+    assert any("into the reader's shared pages" in p for p in r["data_planes"]["kvtier"])
     text = capsys.readouterr().out
     assert all(label in text for label in CASES.values())
 
@@ -78,12 +88,8 @@ def test_lmcache_half(tmp_path: Path) -> None:
             pytest.fail(msg)
         pytest.skip(msg)
     r = _run(tmp_path, "--lmcache", "--only", "lmcache")
-    # LMCache skips stores that do not fit in its L1 (here 256 KiB, smaller than a request) and
-    # says nothing; the harness must report that as lost data, not as a fast store.
-    _check_side(r, "lmcache", ("store", "warm_retrieve", "disk_cold", "disk_page_cache"))
-    disk_store = r["rounds"][0]["lmcache"]["disk_store"]
-    if disk_store["verified_requests"] < 2:
-        assert disk_store["gbps"] is None and disk_store["notes"]
-    else:
-        assert disk_store["gbps"] is not None
+    _check_side(r, "lmcache")
     assert r["config"]["lmcache"]["disk_fsync"] is False
+    # One layout: its paged cases are its store and warm retrieve.
+    ram = r["rounds"][0]["cold"]["lmcache"]
+    assert ram["store_paged"] == ram["store"] and ram["warm_retrieve_paged"] == ram["warm_retrieve"]
