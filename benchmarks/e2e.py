@@ -468,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (tests, make run) keeps its own
     _print(result)
-    write_json(args.json, result)
+    write_json(args.json, {"benchmark": "e2e", **result})
     return 0 if result["identical_outputs"] else 1
 
 

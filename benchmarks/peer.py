@@ -66,11 +66,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from benchmarks.common import progress, write_json
 from benchmarks.peer_cases import FIRST_TOUCH, CaseRun, Side, Workload
@@ -158,8 +161,23 @@ def measure(systems: list[Side], w: Workload, ram_touches: tuple[str, ...]) -> l
                 progress(f"  {side.name} {phase}: " + ", ".join(
                     f"{k2} {'-' if v.gbps is None else f'{v.gbps:.3f}'} GB/s" for k2, v in runs.items())
                     + f" ({time.monotonic() - t0:.0f}s)")
+        rec["raw_copy_gbps"] = round(raw_copy_gbps(w), 4)
         rounds.append(rec)
     return rounds
+
+
+def raw_copy_gbps(w: Workload) -> float:
+    """This machine's raw limit for moving a request once: one copy of its bytes between two
+    preallocated, already-touched buffers (torch, as both sides' clients use), median of 5."""
+    src = torch.randint(-(2**15), 2**15, (w.request_bytes // 2,), dtype=torch.int16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return w.request_bytes / statistics.median(times) / 1e9
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,12 +207,15 @@ def run(args: argparse.Namespace) -> int:
             "medians": per_system}
     result: dict[str, Any] = {
         "benchmark": "peer", "peer": peer, "command": _command(args), "variants": variants, "untimed": untimed,
+        # One copy of a request's bytes between two touched buffers: the limit for moving it once.
+        "raw_copy_gbps": round(statistics.median(r["raw_copy_gbps"] for r in rounds), 4),
         "data_planes": {name: data_planes(rounds, name) for name in names},
         "rounds": rounds, "config": config, "time": time.time(),
     }
     print(f"kvtier vs {peer}: {w.rounds} rounds x {w.requests} requests of {w.request_tokens} tokens "
           f"({w.request_bytes / (1 << 20):.0f} MiB), every byte verified; median GB/s (median ms per request)")
     print(render(result))
+    print(f"  raw limit: one copy of a request's bytes {result['raw_copy_gbps']:.3f} GB/s")
     for name, planes in result["data_planes"].items():
         print(f"  {name} data plane: {'; '.join(planes) or 'unknown'}")
     for line in notes(result):

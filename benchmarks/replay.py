@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             out = replay(wl, config, show_progress=show)
             text = format_run(out)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    args.json.write_text(json.dumps({"benchmark": "replay", **out}, indent=2) + "\n")
     print(text)
     print(f"json: {args.json}")
     return 0

@@ -203,5 +203,5 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as td:
         rows = collect(args.quick, Path(td), args.only)
     print(table(rows, COLUMNS))
-    write_json(args.json, {"results": rows})
+    write_json(args.json, {"benchmark": "tiers", "quick": bool(args.quick), "results": rows})
     return 0

@@ -31,6 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "vllm": ("benchmarks.vllm_bench", "TTFT of vllm serve with kvtier through the daemon vs without it (CPU)"),
     "gpu": ("benchmarks.gpu_bench", "transfer engine d2h/h2d throughput vs raw pinned and pageable torch copies"),
     "peer": ("benchmarks.peer", "kvtier's daemon side by side with a peer cache server (--lmcache), bytes verified"),
+    "results": ("benchmarks.results", "record a benchmark's JSON in benchmarks/results/; regenerate the docs' summary"),
 }
 
 
