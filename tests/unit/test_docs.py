@@ -51,3 +51,12 @@ def test_every_kvtier_command_in_the_docs_exists():
             if subs and sub is not None:
                 assert sub in subs, f"{path.name}: unknown command `kvtier {cmd} {sub}`"
     assert seen >= 10
+
+
+def test_benchmarks_page_is_short_and_holds_no_unrecorded_figures():
+    """A page a user can read: under 400 lines; its summary comes from benchmarks/results/
+    (tests/unit/test_bench_results.py); nothing measured by a script that was not committed."""
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    assert len(text.splitlines()) < 400
+    assert "scratch" not in text.lower()
+    assert "<!-- results:begin -->" in text and "<!-- results:end -->" in text

@@ -271,20 +271,25 @@ def test_local_prefix_hit_loads_only_the_blocks_after_it(salt_key_file: str) -> 
     assert same_bytes(pages(eng, [40, 41, 42]), saved)
 
 
-def test_blocks_lost_after_lookup_are_reported_and_not_written(salt_key_file: str) -> None:
-    eng = make_engine(vllm_config(salt_key_file))
+def lookup_then_lose_blocks(eng: Engine, seed: int) -> tuple[Request, list[int]]:
+    """alice's 4-block prompt, saved, then looked up again (4 blocks planned); between that lookup
+    and the worker's load, blocks 2.. vanish from every tier. The request and its block ids."""
     salt = mint_salt(SALT_KEY, "acme", "alice")
     tokens = prompt(4 * BLOCK + 1)
-    run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=4)
+    run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=seed)
     req = request("r2", tokens, salt)
     assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
-    # Between the scheduler's lookup and the worker's load, blocks 2.. vanish from every tier.
     cache = eng.scheduler.source.cache
-    principal = Principal("acme", "alice")
-    chain = cache.chain(principal, [RequestSegment(tokens[: 4 * BLOCK], ScopeKind.USER)])
+    chain = cache.chain(Principal("acme", "alice"), [RequestSegment(tokens[: 4 * BLOCK], ScopeKind.USER)])
     cache.store.delete([c.key for c in chain[2:]])
     ids = [30, 31, 32, 33, 34]
     eng.scheduler.update_state_after_alloc(req, blocks_of(ids), 4 * BLOCK)
+    return req, ids
+
+
+def test_blocks_lost_after_lookup_are_reported_and_not_written(salt_key_file: str) -> None:
+    eng = make_engine(vllm_config(salt_key_file))
+    lookup_then_lose_blocks(eng, 4)
     meta = eng.scheduler.build_connector_meta(SchedulerOutput.make_empty())
     eng.worker.bind_connector_metadata(meta)
     eng.worker.start_load_kv(None)
@@ -302,19 +307,9 @@ def test_blocks_that_failed_to_load_are_saved_again_once_recomputed(salt_key_fil
     """vLLM (kv_load_failure_policy="recompute") recomputes from the first block that failed to
     load; the scheduler side hears of them (update_connector_output) and plans their save."""
     eng = make_engine(vllm_config(salt_key_file))
-    salt = mint_salt(SALT_KEY, "acme", "alice")
-    tokens = prompt(4 * BLOCK + 1)
-    run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=5)
-    req = request("r2", tokens, salt)
-    assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
-    # Between the scheduler's lookup and the worker's load, blocks 2.. vanish from every tier.
-    cache = eng.scheduler.source.cache
-    chain = cache.chain(Principal("acme", "alice"), [RequestSegment(tokens[: 4 * BLOCK], ScopeKind.USER)])
-    cache.store.delete([c.key for c in chain[2:]])
-    ids = [30, 31, 32, 33, 34]
-    eng.scheduler.update_state_after_alloc(req, blocks_of(ids), 4 * BLOCK)
+    req, ids = lookup_then_lose_blocks(eng, 5)
     out = SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [NewRequestData(req_id="r2", prompt_token_ids=tokens, mm_features=[],
+    out.scheduled_new_reqs = [NewRequestData(req_id="r2", prompt_token_ids=req.prompt_token_ids, mm_features=[],
                                              sampling_params=req.sampling_params, pooling_params=None,
                                              block_ids=(ids,), num_computed_tokens=4 * BLOCK, lora_request=None)]
     out.num_scheduled_tokens = {"r2": 1}
