@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import progress, stop_process, table, write_json
+from benchmarks.output_match import LOGPROB_TOLERANCE, first_step_diff
 from benchmarks.throttle import ThrottledTier
 from kvtier.block import Block
 from kvtier.engine.models import ModelSpec, model_spec
@@ -412,15 +413,8 @@ class CaseResult:
     split_points: dict[str, int] = field(default_factory=dict)
     runs: dict[str, int] = field(default_factory=dict)
     plan_ms: float = 0.0
-    max_logit_diff: float = 0.0
-
-
-def logits_agree(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max |a - b| relative to the logits' spread; bf16 KV reuse stays far below 0.05."""
-    return float((a - b).abs().max() / b.std().clamp_min(1e-6))
-
-
-LOGIT_TOLERANCE = 0.05
+    #: The largest first-token log-probability difference between plans (benchmarks.output_match).
+    max_logprob_diff: float = 0.0
 
 
 class ModelBench:
@@ -492,10 +486,10 @@ def run_case(mb: ModelBench, setup: TierSetup, store: TieredStore, cm: CostModel
             if reference is None:
                 reference = ex.logits
             else:
-                worst = max(worst, logits_agree(ex.logits, reference))
-    if worst > LOGIT_TOLERANCE:
-        raise KvtierError(f"{mb.spec.name}/{setup.name}/{n}: plans disagree on the next-token logits "
-                          f"(max deviation {worst:.3f} of the logit spread)")
+                worst = max(worst, first_step_diff(reference, ex.logits))
+    if worst > LOGPROB_TOLERANCE[mb.spec.dtype]:
+        raise KvtierError(f"{mb.spec.name}/{setup.name}/{n}: plans disagree on the next token (log-probabilities "
+                          f"{worst:.3f} apart, tolerance {LOGPROB_TOLERANCE[mb.spec.dtype]})")
     measured = {k: min(v) * 1e3 for k, v in times.items()}
     best = min(measured, key=measured.__getitem__)
     regret = measured[plan.name] / measured[best] - 1.0

@@ -107,6 +107,12 @@ class SharedPages:
     def fd(self) -> int:
         return self.region.fd
 
+    def close(self) -> None:
+        """Give up the file's descriptor. The pages stay mapped under the engine's tensors, and the
+        memory is freed once those and the daemon's mapping are gone (without this, the descriptor
+        would keep the whole file alive for the life of the process)."""
+        self.region.close()
+
     def target(self, page_ids: Sequence[int]) -> PageTarget:
         """Where a read's block k belongs: page ``page_ids[k]`` of every layer."""
         for p in page_ids:

@@ -144,6 +144,8 @@ class PagedKV:
 
     def close(self) -> None:
         self.engine.close()
+        if self.shared is not None:
+            self.shared.close()
 
 
 def _stacked(blocks: Sequence[torch.Tensor]) -> torch.Tensor:

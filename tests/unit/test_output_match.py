@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.output_match import MIN_COMPARED_TOKENS, Generation, combine, compare
+from benchmarks.output_match import MIN_COMPARED_TOKENS, Generation, combine, compare, first_step_diff
 
 N = MIN_COMPARED_TOKENS
 
@@ -74,3 +74,15 @@ def test_combine_needs_every_output_to_match() -> None:
     assert combine([good, good]).ok
     with pytest.raises(ValueError):
         combine([])
+
+
+def test_first_step_diff_compares_the_top_candidates_in_float32() -> None:
+    import torch
+
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0], dtype=torch.bfloat16)
+    assert first_step_diff(logits, logits) == 0.0
+    shifted = logits.float().clone()
+    shifted[0] += 0.25  # the top candidate moves; every log-probability moves with the normaliser
+    d = first_step_diff(logits, shifted)
+    assert 0.1 < d < 0.25
+    assert first_step_diff(logits, -logits) > 3  # another ranking entirely

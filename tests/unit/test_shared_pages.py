@@ -84,3 +84,34 @@ def test_a_large_storage_moves_in_steps_and_keeps_every_byte(monkeypatch) -> Non
     views[2][PAGES - 1].fill_(-1.0)
     at = pages.start + 2 * pages.stride + (PAGES - 1) * pages.page_bytes
     assert bool((pages.memory[at : at + pages.page_bytes].view(torch.bfloat16) == -1.0).all())
+
+
+def test_closing_gives_the_file_back_once_the_tensors_are_gone() -> None:
+    """Closed, the file's descriptor is released and the tensors keep working; once they are
+    freed too, nothing of the file stays (a process that shares pages many times does not grow)."""
+    import gc
+    import os
+
+    def shared_bytes() -> int:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Shmem:")) << 10
+
+    views = one_storage_views()
+    before = [v.clone() for v in views]
+    start = shared_bytes()
+    pages = SharedPages.share(views)
+    fd = pages.fd
+    pages.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert all(torch.equal(a, b) for a, b in zip(before, views, strict=True))
+    views[1][3].fill_(1.5)
+    assert views[1][3].float().eq(1.5).all()
+    del views, pages
+    gc.collect()
+    file_bytes = LAYERS * PAGES * views_page_bytes()
+    assert shared_bytes() - start < file_bytes // 2
+
+
+def views_page_bytes() -> int:
+    return 2 * 16 * 4 * 32 * 2

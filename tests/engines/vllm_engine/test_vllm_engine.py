@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -188,15 +189,30 @@ def start_engine(root: Path, name: str, requests: list[dict[str, Any]],
     spec = _spec(root, name, requests, kvtier)
     return subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver.py")), str(spec)], cwd=ROOT,
                             env={**os.environ, **ENGINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
+
+
+@contextmanager
+def killed_on_failure(proc: subprocess.Popen[str]) -> Iterator[None]:
+    """A test that fails while its engine waits on a file must not leave the engine (and vLLM's
+    processes under it) waiting forever: kill its process group."""
+    try:
+        yield
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        raise
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float = 400) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{path.name} never appeared:\n{proc.communicate()[0][-3000:]}")
+        if proc.poll() is not None:
+            raise AssertionError(f"the engine exited before {path.name} appeared:\n"
+                                 f"{proc.stdout.read()[-3000:] if proc.stdout else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} did not appear in {timeout_s:.0f} s")
         time.sleep(0.2)
 
 
@@ -317,10 +333,11 @@ def test_a_daemon_killed_mid_run_means_recompute_not_a_crash(world) -> None:
             {"tokens": P, "salt": alice, "before": str(go)},
             {"tokens": [*X, 5, 6, 7], "salt": alice}]
     proc = start_engine(root, "run-e", reqs, daemon.options(st, daemon_timeout_s=3))
-    wait_for_file(killed, proc)
-    daemon.kill()
-    go.touch()
-    res = finish(proc)
+    with killed_on_failure(proc):
+        wait_for_file(killed, proc)
+        daemon.kill()
+        go.touch()
+        res = finish(proc)
     assert res[0]["num_cached_tokens"] == FULL
     assert res[1]["num_cached_tokens"] == 0
     same_output(want["P"], res[1], "recomputed with the daemon gone")
@@ -349,13 +366,14 @@ def disk_run(tmp_path_factory: pytest.TempPathFactory, world) -> Iterator[dict[s
                 {"tokens": P, "salt": mallory, "before": str(go)},
                 {"tokens": P, "salt": carol}, {"tokens": P, "salt": carol}]
         proc = start_engine(root, "run-g", reqs, daemon.options(st))
-        wait_for_file(saved, proc)
-        planted = plant_wrong_kv(daemon, mallory, source=W, target=P)
-        counters_before = {role: connector_counters(st, role) for role in ("scheduler", "worker")}
-        daemon_before = daemon.tier_stats()["lmdb"]
-        damaged = damage_records(daemon, carol, P)
-        go.touch()
-        res = finish(proc)
+        with killed_on_failure(proc):
+            wait_for_file(saved, proc)
+            planted = plant_wrong_kv(daemon, mallory, source=W, target=P)
+            counters_before = {role: connector_counters(st, role) for role in ("scheduler", "worker")}
+            daemon_before = daemon.tier_stats()["lmdb"]
+            damaged = damage_records(daemon, carol, P)
+            go.touch()
+            res = finish(proc)
         yield {"want": world[2]["P"], "res": res, "planted": planted, "damaged": damaged,
                "before": counters_before, "daemon_before": daemon_before, "daemon_after": daemon.tier_stats()["lmdb"],
                "after": {role: connector_counters(st, role) for role in ("scheduler", "worker")}}
