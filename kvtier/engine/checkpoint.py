@@ -47,12 +47,9 @@ def write_checkpoint(spec: ModelSpec, directory: Path, *, seed: int = 0) -> Path
     recipe = {"spec": asdict(spec), "seed": seed, "format": 1}
     marker = directory / RECIPE_FILE
     if marker.exists():
-        try:
-            if {k: v for k, v in json.loads(marker.read_text()).items() if k != "weights_sha256"} == recipe:
-                return directory
-        except ValueError:
-            pass  # a damaged marker: write everything again
-        marker.unlink()
+        if _written_recipe(marker) == recipe:
+            return directory
+        marker.unlink()  # another recipe, or a damaged marker: write everything again
     from safetensors.torch import save_file
 
     model = spec.build(seed)
@@ -76,6 +73,15 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     _replace(directory / "tokenizer.json", lambda p: tok.save(str(p)))
     _replace(directory / "tokenizer_config.json", lambda p: p.write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})))
+
+
+def _written_recipe(marker: Path) -> dict[str, Any] | None:
+    """The recipe a directory's marker names (without its weights digest); None when unreadable."""
+    try:
+        written = json.loads(marker.read_text())
+    except ValueError:
+        return None
+    return {k: v for k, v in written.items() if k != "weights_sha256"} if isinstance(written, dict) else None
 
 
 def _replace(path: Path, write: Any) -> None:
