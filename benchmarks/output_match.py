@@ -26,7 +26,7 @@ from typing import Any
 MIN_COMPARED_TOKENS = 32
 #: Largest log-probability difference that still counts as the same output, by model dtype:
 #: bfloat16 keeps 8 significant bits, and over 12 layers a suffix computed after a reused prefix
-#: rounds differently from one pass by up to about 0.06 (``kvtier bench e2e``, 12 x 768 model).
+#: rounds differently from one pass: by up to 0.03 in ``kvtier bench e2e`` (12 x 768 model).
 LOGPROB_TOLERANCE: dict[str, float] = {"float32": 1e-3, "bfloat16": 1e-1, "float16": 2e-2}
 #: Candidates per position whose log-probabilities are compared.
 TOP_K = 5
