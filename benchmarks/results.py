@@ -7,8 +7,8 @@ renders the summary table of docs/benchmarks.md from those files alone (between 
 ``results:begin`` / ``results:end`` markers), so the page is regenerated, never edited by hand; a
 test checks that the committed page is what this renders.
 
-Per measure (``MEASURES``): the latest run's value, the range over the last ``RECENT`` runs of that
-benchmark, how many runs there are, the target and whether the latest value meets it.
+Per measure (``MEASURES``): the latest run's value, the range over the last ``RECENT`` runs made with
+the same command, how many such runs there are, the target and whether the latest value meets it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Measure:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, float):
-            return f"{v:.2f}{self.unit}" if self.unit == "x" else f"{v:g}{self.unit}"
+            return f"{v:.2f}{self.unit}" if self.unit == "x" else f"{v:.3g}{self.unit}"
         return f"{v}{self.unit if self.unit != 'x' else ''}"
 
     def target_text(self) -> str:
@@ -206,6 +206,8 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> str:
             lines.append(f"| {m.label} | {m.target_text()} | not measured | - | 0 | - | - | - |")
             continue
         latest_e, latest = values[-1]
+        # Runs of the latest one's command only: a --quick run is not a sample of the full one.
+        values = [(e, v) for e, v in values if e["command"] == latest_e["command"]]
         recent = [v for _, v in values[-RECENT:]]
         if all(isinstance(v, bool) for v in recent):
             span = "all true" if all(recent) else f"{sum(recent)} of {len(recent)} true"
