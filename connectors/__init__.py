@@ -9,3 +9,9 @@ Connectors hold no storage logic. Every read and write goes through ``kvtier.cac
 - ``connectors.vllm_connector``: a vLLM v1 ``KVConnectorBase_V1`` (needs the ``vllm`` package);
 - ``connectors.sglang_storage``: an SGLang ``HiCacheStorage`` backend (needs the ``sglang`` package).
 """
+
+from kvtier.aliases import alias_modules
+
+# Moved in 0.2 to kvtier/dataplane/ (both ends of the shared-memory protocol live there); the old
+# path works until the next release.
+alias_modules({"connectors.shared_pages": "kvtier.dataplane.shared_pages"})

@@ -47,7 +47,7 @@ from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore, TransferObserver
 
 if TYPE_CHECKING:
-    from storage_backends.domain_table import DomainTable
+    from kvtier.security.domain_table import DomainTable
     from storage_backends.grpc import GrpcTier, GrpcTierConfig
 
 CONFIG_PREFIX = "kvtier."

@@ -60,9 +60,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.block_saver import BlockSaver
 from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
-from connectors.shared_pages import PagesNotShared
 from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
 from kvtier.block import Block
+from kvtier.dataplane.shared_pages import PagesNotShared
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, TierUnavailable
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.store.lookup import Lookup

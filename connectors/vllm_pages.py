@@ -16,7 +16,7 @@ Without CUDA the same code runs on CPU tensors (copies happen at submission, com
 from the start). Layouts whose pages are not one contiguous run in ``[H, N, C]`` order (vLLM's
 LBNHC, LHBNC, ...) cannot be moved as raw rows: for those the pages move with torch indexing,
 and ``direct`` is False (counted by the connector). Direct host pages may also be moved into
-shared memory (``share``, see connectors.shared_pages): a load from the daemon then lands in
+shared memory (``share``, see kvtier.dataplane.shared_pages): a load from the daemon then lands in
 them with no copy here.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.shared_pages import SharedPages
+from kvtier.dataplane.shared_pages import SharedPages
 from kvtier.errors import TransferError
 from kvtier.store.layer_sink import LayerSink
 from kvtier.transfer.copiers import page_rows

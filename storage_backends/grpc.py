@@ -31,6 +31,8 @@ import torch
 import xxhash
 
 from kvtier.block import Block, BlockMeta
+from kvtier.dataplane.layered_read import LayerMajorShare, PlacedShare
+from kvtier.dataplane.session import DataPlaneSession, PagesLink, SharedMemoryLink
 from kvtier.dataplane.slices import Slice, SliceLease
 from kvtier.dataplane.typed_views import TypedViews
 from kvtier.errors import (
@@ -62,12 +64,10 @@ from kvtier.rpc.wire import (
     meta_to_msg,
     pack_blocks,
 )
+from kvtier.security.domain_table import DomainTable, ScopeGrant
 from kvtier.store.layer_sink import LayerSink
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
-from storage_backends.domain_table import DomainTable, ScopeGrant
-from storage_backends.layer_major import LayerMajorShare, PlacedShare
-from storage_backends.shm_link import DataPlaneSession, PagesLink, SharedMemoryLink
 
 #: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause. A
 #: RateLimited read (the daemon's miss limit) is a refusal for now, like Overloaded, not a crash.
@@ -109,7 +109,7 @@ class GrpcTierConfig:
     #: A request salt this client acts for (an engine credential's calls: see kvtier.security.salts).
     salt: str | None = None
     #: Payload path: ``auto`` (shared memory with a daemon on this node when it can be had, else
-    #: inline gRPC), ``shm`` (required), ``tcp`` (always inline). See storage_backends/shm_link.py.
+    #: inline gRPC), ``shm`` (required), ``tcp`` (always inline). See kvtier/dataplane/session.py.
     data_plane: str = "auto"
     #: Size of the shared-memory region (the daemon may cap it); blocks beyond a call's share go inline.
     region_bytes: int = 256 << 20
@@ -274,7 +274,7 @@ class GrpcTier(Tier):
     def get_layers(self, keys: Sequence[BlockKey], sink: LayerSink) -> list[Block | None]:
         """``get`` over shared memory laid out layer by layer (``GetRequest.region_layers``):
         ``sink`` takes each layer of the blocks placed there as soon as it lands (see
-        storage_backends.layer_major). When the sink's own pages are in shared memory
+        kvtier.dataplane.layered_read). When the sink's own pages are in shared memory
         (``sink.pages``) and the daemon maps them, it writes each block there: the sink is told
         of each layer with no rows and the read returns PlacedBlocks. Inline (no shared memory),
         the sink is never called."""

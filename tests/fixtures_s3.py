@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.server.embedded_s3 import EmbeddedS3
 from storage_backends.s3 import S3Tier
-from storage_backends.s3_config import S3Config
+from storage_backends.s3.config import S3Config
 
 #: Small volumes: a test session writes a few MiB, and many small volume slots leave room for
 #: the few tests that create extra buckets (each bucket is its own SeaweedFS collection).

@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
-from kvtier.errors import ConfigError
-from storage_backends.grpc import GrpcTier, GrpcTierConfig
+from kvtier.plugins import backend
+from kvtier.security.secrets import read_public_file, read_secret_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,15 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _token(args: argparse.Namespace) -> str:
     if args.token:
         return args.token
-    try:
-        return Path(args.token_file).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"--token-file: cannot read {args.token_file}: {exc.strerror}") from None
+    # The one secret-file rule (owner-only, no links): a token is a bearer credential.
+    return read_secret_file(args.token_file, "--token-file").decode().strip()
 
 
 def run(args: argparse.Namespace) -> int:
-    ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-    tier = GrpcTier(GrpcTierConfig(args.address, _token(args), tls_ca=ca, max_attempts=1))
+    ca = read_public_file(args.tls_ca, "--tls-ca") if args.tls_ca else None
+    daemon = backend("daemon")
+    tier = daemon.GrpcTier(daemon.GrpcTierConfig(args.address, _token(args), tls_ca=ca, max_attempts=1))
     try:
         if args.action == "purge":
             res = tier.purge(args.scope, args.reason)

@@ -80,11 +80,11 @@ def _rewrap(args: argparse.Namespace) -> int:
     try:
         if config is not None and config.tiers.remote is not None:
             from kvtier.keys import DomainDeriver
+            from kvtier.plugins import backend
             from kvtier.server.backend import mirror_auth_key, read_server_secret, s3_config
-            from storage_backends.s3_keys import S3WrappedKeyStore
 
             deriver = DomainDeriver(read_server_secret(config.security.server_secret_file))
-            mirror = S3WrappedKeyStore(s3_config(config), auth_key=mirror_auth_key(deriver))
+            mirror = backend("s3").S3WrappedKeyStore(s3_config(config), auth_key=mirror_auth_key(deriver))
             closers.append(mirror.close)
             store = MirroredKeyStore(primary, mirror)
         ring = KeyRing(new, store, previous=[old])

@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvtier import plugins
 from kvtier.errors import KvtierError
 
 #: name -> (module, one-line help)
@@ -22,17 +23,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "admin": ("kvtier.cli.admin", "operator calls against a daemon: purge a scope, revoke, stats"),
     "keys": ("kvtier.cli.keyadmin", "master keys: create one, rewrap data keys under a new one; verify the audit log"),
 }
-BENCHES: dict[str, tuple[str, str]] = {
-    "tiers": ("benchmarks.tiers", "put/get throughput of each tier against this machine's raw limits"),
-    "replay": ("benchmarks.replay", "replay a request trace: hit rates, policies, isolation cost"),
-    "reload-vs-recompute": ("benchmarks.reload_vs_recompute", "measure reload vs recompute and score the cost model"),
-    "e2e": ("benchmarks.e2e", "end-to-end scenario: TTFT cold vs warm with a real transformer"),
-    "daemon": ("benchmarks.daemon", "load test of the gRPC daemon with byte-for-byte verification"),
-    "vllm": ("benchmarks.vllm_bench", "TTFT of vllm serve with kvtier through the daemon vs without it (CPU)"),
-    "gpu": ("benchmarks.gpu_bench", "transfer engine d2h/h2d throughput vs raw pinned and pageable torch copies"),
-    "peer": ("benchmarks.peer", "kvtier's daemon side by side with a peer cache server (--lmcache), bytes verified"),
-    "results": ("benchmarks.results", "record a benchmark's JSON in benchmarks/results/; regenerate the docs' summary"),
+#: One-line help of the harnesses kvtier ships; the harnesses themselves are found through the
+#: ``kvtier.bench`` entry points (kvtier/plugins.py), so a user's own appear too.
+BENCH_HELP: dict[str, str] = {
+    "tiers": "put/get throughput of each tier against this machine's raw limits",
+    "replay": "replay a request trace: hit rates, policies, isolation cost",
+    "reload-vs-recompute": "measure reload vs recompute and score the cost model",
+    "e2e": "end-to-end scenario: TTFT cold vs warm with a real transformer",
+    "daemon": "load test of the gRPC daemon with byte-for-byte verification",
+    "vllm": "TTFT of vllm serve with kvtier through the daemon vs without it (CPU)",
+    "gpu": "transfer engine d2h/h2d throughput vs raw pinned and pageable torch copies",
+    "peer": "kvtier's daemon side by side with a peer cache server (--lmcache), bytes verified",
+    "results": "record a benchmark's JSON in the recorded results; regenerate the docs' summary",
 }
+
+
+def benches() -> dict[str, tuple[str, str]]:
+    """name -> (module, one-line help) of every registered ``kvtier bench`` harness."""
+    return {name: (plugins.target(plugins.BENCHES, name), BENCH_HELP.get(name, "a plug-in benchmark"))
+            for name in plugins.names(plugins.BENCHES)}
 
 
 def _attach(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]], wanted: str | None,
@@ -73,7 +82,7 @@ def build_parser(argv: Sequence[str] | None = None, *, load_all: bool = False) -
     bench = sub.add_parser("bench", help="benchmarks (results as JSON, tables on stdout)",
                            description="Benchmarks; each reports ratios against a baseline measured in the same run.")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    _attach(bsub, BENCHES, bench_name, load_all)
+    _attach(bsub, benches(), bench_name, load_all)
     bench.set_defaults(_help=bench)
     return parser
 

@@ -50,7 +50,7 @@ class PrefillResult(NamedTuple):
     new_blocks: list[torch.Tensor]
     timing: PrefillTiming
     #: The model's cache after the call (past + new tokens), only with ``keep_cache=True``: a
-    #: generator continues decoding from it (connectors.transformers_connector).
+    #: generator continues decoding from it (the transformers connector).
     cache: DynamicCache | None = None
 
 

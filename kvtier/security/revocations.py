@@ -27,7 +27,7 @@ log = logging.getLogger("kvtier.server.revocations")
 
 
 class RevocationFeed(Protocol):
-    """Where nodes share their changes (``storage_backends.s3_revocations.S3RevocationFeed``)."""
+    """Where nodes share their changes (the S3 backend's ``S3RevocationFeed``)."""
 
     def publish(self, change: RevocationChange) -> str: ...
 

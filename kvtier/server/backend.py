@@ -13,10 +13,12 @@ import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver
+from kvtier.plugins import backend
 from kvtier.security.audit import AuditLog
 from kvtier.security.keyring import KeyRing
 from kvtier.security.master_keys import FileKeyProvider, key_provider
@@ -30,12 +32,6 @@ from kvtier.server.service import PurgeOutcome
 from kvtier.store.spill_queue import SpillOptions
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore
-from storage_backends.frame_memory import FrameMemoryTier
-from storage_backends.lmdb import LmdbTier
-from storage_backends.s3 import S3Tier, SeaweedVacuum
-from storage_backends.s3_config import S3Config
-from storage_backends.s3_keys import S3WrappedKeyStore
-from storage_backends.s3_revocations import S3RevocationFeed
 
 MIN_SERVER_SECRET = 16
 
@@ -48,7 +44,8 @@ def read_server_secret(path: str) -> bytes:
     return raw
 
 
-def s3_config(config: DaemonConfig) -> S3Config:
+def s3_config(config: DaemonConfig) -> Any:
+    """The ``S3Config`` of the configured remote tier (the ``s3`` backend's)."""
     r = config.tiers.remote
     assert r is not None
     creds = {}
@@ -56,7 +53,7 @@ def s3_config(config: DaemonConfig) -> S3Config:
     # S3Config defaults apply, which a SeaweedFS without IAM accepts.
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         creds = {"access_key": os.environ["AWS_ACCESS_KEY_ID"], "secret_key": os.environ["AWS_SECRET_ACCESS_KEY"]}
-    return S3Config(endpoint_url=r.endpoint, bucket=r.bucket, prefix=r.prefix, region=r.region,
+    return backend("s3").S3Config(endpoint_url=r.endpoint, bucket=r.bucket, prefix=r.prefix, region=r.region,
                     connect_timeout_s=r.connect_timeout_s, read_timeout_s=r.read_timeout_s, **creds)
 
 
@@ -106,18 +103,18 @@ class Backend:
         if config.encrypting:
             keyring = _keyring(config, s3cfg, closers, deriver)
         local: list[Tier] = []
-        remote: S3Tier | None = None
+        remote: Tier | None = None
         try:
             if tiers.memory is not None:
                 # Frames, not slabs: the daemon's RAM tier only ever feeds gRPC streams.
-                local.append(FrameMemoryTier(tiers.memory.capacity_bytes, policy=tiers.memory.policy))
+                local.append(backend("memory").FrameMemoryTier(tiers.memory.capacity_bytes, policy=tiers.memory.policy))
             if tiers.disk is not None:
                 d = tiers.disk
                 # Framed reads: a disk hit is decrypted straight into the frame the RAM tier keeps.
-                local.append(LmdbTier(d.path, d.capacity_bytes, policy=d.policy, sync=d.sync,
+                local.append(backend("lmdb").LmdbTier(d.path, d.capacity_bytes, policy=d.policy, sync=d.sync,
                                       sealer=keyring if sec.encrypt_disk else None, framed=True))
             if s3cfg is not None:
-                remote = S3Tier(s3cfg, sealer=keyring if sec.encrypt_remote else None)
+                remote = backend("s3").S3Tier(s3cfg, sealer=keyring if sec.encrypt_remote else None)
             if not local:
                 assert remote is not None
                 # Remote only: the remote tier is the store's one tier, written synchronously.
@@ -138,13 +135,13 @@ class Backend:
         # The daemon's one access gate lives in this KVCache; the service is handed ``cache.gate``.
         compactors = ()
         if tiers.remote is not None and tiers.remote.vacuum_url:
-            compactors = (SeaweedVacuum(tiers.remote.vacuum_url),)
+            compactors = (backend("s3").SeaweedVacuum(tiers.remote.vacuum_url),)
         cache = KVCache(store, (), policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path,
                                                          mitigations=mitigations, on_count=on_count,
                                                          compactors=compactors))
         sync = None
         if s3cfg is not None and sec.revocation_sync_s > 0:
-            feed = S3RevocationFeed(s3cfg, deriver.subkey("revocation-feed"))
+            feed = backend("s3").S3RevocationFeed(s3cfg, deriver.subkey("revocation-feed"))
             sync = RevocationSync(policy, feed, sec.revocation_sync_s)
             closers.append(sync.close)
             sync.start()
@@ -172,7 +169,7 @@ def mirror_auth_key(deriver: DomainDeriver) -> bytes:
     return deriver.subkey("wrapped-key-mirror")
 
 
-def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callable[[], object]],
+def _keyring(config: DaemonConfig, s3cfg: Any, closers: list[Callable[[], object]],
              deriver: DomainDeriver) -> KeyRing:
     sec = config.security
     if sec.master_key_file is not None:
@@ -191,7 +188,7 @@ def _keyring(config: DaemonConfig, s3cfg: S3Config | None, closers: list[Callabl
     store: WrappedKeyStore = primary
     if s3cfg is not None:
         # Other nodes sharing the bucket need this node's data keys to open its records.
-        mirror = S3WrappedKeyStore(s3cfg, auth_key=mirror_auth_key(deriver))
+        mirror = backend("s3").S3WrappedKeyStore(s3cfg, auth_key=mirror_auth_key(deriver))
         closers.append(mirror.close)
         store = MirroredKeyStore(primary, mirror)
     ring = KeyRing(provider, store)

@@ -28,6 +28,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvtier.dataplane.listener import DataPlaneListener
+from kvtier.dataplane.region_table import RegionLimits, RegionTable
 from kvtier.errors import ConfigError
 from kvtier.hostmem import prefault_heap, tune_malloc_for_large_blocks, with_huge_page_malloc
 from kvtier.keys import PUBLIC
@@ -38,7 +40,6 @@ from kvtier.security.tokens import TokenVerifier
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
 from kvtier.server.config import DaemonConfig, load_config
-from kvtier.server.data_plane import DataPlaneListener
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
 from kvtier.server.observability import (
     DaemonCollector,
@@ -47,7 +48,6 @@ from kvtier.server.observability import (
     ServerMetrics,
     configure_logging,
 )
-from kvtier.server.region_table import RegionLimits, RegionTable
 from kvtier.server.service import SERVICE_NAME, KvCacheService, ServiceLimits, ServiceParts, service_handler
 
 log = logging.getLogger("kvtier.server")

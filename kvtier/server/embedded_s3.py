@@ -160,11 +160,11 @@ class EmbeddedS3:
 
     def s3_config(self, prefix: str = "kvtier", **overrides: Any) -> Any:
         """An S3Config for this server (the backend is imported here so the core does not need it)."""
-        from storage_backends.s3_config import S3Config
+        from kvtier.plugins import backend
 
         fields: dict[str, Any] = {"endpoint_url": self.endpoint_url, "bucket": self.bucket, "prefix": prefix,
                                   "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
-        return S3Config(**{**fields, **overrides})
+        return backend("s3").S3Config(**{**fields, **overrides})
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def command(self) -> list[str]:

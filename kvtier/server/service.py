@@ -37,6 +37,8 @@ import torch
 
 from kvtier.block import Block, BlockMeta
 from kvtier.dataplane.region import SharedRegion
+from kvtier.dataplane.region_table import RegionTable
+from kvtier.dataplane.region_writer import Placement, RegionWriter
 from kvtier.errors import AccessDenied, InvalidRequest
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
@@ -60,8 +62,6 @@ from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Princi
 from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
-from kvtier.server.region_table import RegionTable
-from kvtier.server.region_writer import Placement, RegionWriter
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from storage_backends.s3_breaker import BreakerState, CircuitBreaker
+from storage_backends.s3.breaker import BreakerState, CircuitBreaker
 
 
 class Clock:

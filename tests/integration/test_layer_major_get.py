@@ -15,13 +15,13 @@ import torch
 
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.block import Block
+from kvtier.dataplane.layered_read import LayerMajorShare
 from kvtier.errors import InvalidRequest
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
 from kvtier.server.daemon import Daemon
 from kvtier.store.layer_sink import LayerSink
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from storage_backends.layer_major import LayerMajorShare
 from tests.helpers import chain_blocks
 
 #: 4 layers of 16 KiB: a block is [4, 2, 32, 4, 64] bf16 (64 KiB).

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from benchmarks.localdeploy import LocalDeployment
-from connectors.shared_pages import SharedPages
 from kvtier.block import Block, PlacedBlock
+from kvtier.dataplane.shared_pages import SharedPages
 from kvtier.errors import InvalidRequest
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
@@ -178,7 +178,7 @@ def test_bad_placements_are_refused_before_a_byte_is_written(memory_daemon) -> N
 
 
 def test_a_placed_block_is_taken_only_at_its_keys_place() -> None:
-    from storage_backends.layer_major import PlacedShare
+    from kvtier.dataplane.layered_read import PlacedShare
 
     views = engine_pages(False)
     shared = SharedPages.share(views)
@@ -201,8 +201,8 @@ def test_a_placed_description_is_checked_before_any_of_its_blocks_is_taken() -> 
     """``BlockChunk.placed`` (the daemon's description of the blocks it placed, together): each
     block comes out with its full metadata at its key's place; a description that breaks a rule
     is refused (InvalidRequest), whatever else it says."""
+    from kvtier.dataplane.layered_read import PlacedShare
     from kvtier.rpc.wire import ResponseSlots, meta_to_msg
-    from storage_backends.layer_major import PlacedShare
 
     views = engine_pages(False)
     shared = SharedPages.share(views)

@@ -18,7 +18,7 @@ from kvtier.security.policy import RevocationChange
 from kvtier.server.daemon import Daemon
 from kvtier.server.embedded_s3 import EmbeddedS3
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from storage_backends.s3_revocations import S3RevocationFeed
+from storage_backends.s3.revocation_feed import S3RevocationFeed
 from tests.helpers import SECRET, chain_blocks, wait_for
 
 SYNC_S = 0.2

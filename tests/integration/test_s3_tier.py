@@ -13,7 +13,7 @@ from kvtier.errors import ConfigError, CorruptRecord, TierUnavailable
 from kvtier.keys import DOMAIN_BYTES, LAYOUT_TAG_BYTES, Scope, ScopeDomain
 from kvtier.layout import KVLayout
 from storage_backends.s3 import S3Tier
-from storage_backends.s3_config import S3Config
+from storage_backends.s3.config import S3Config
 from tests.helpers import SMALL, chain_blocks, same_bytes
 
 

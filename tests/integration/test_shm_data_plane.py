@@ -29,6 +29,7 @@ import xxhash
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.dataplane.handshake import Attached, Hello, read_reply, send_hello
 from kvtier.dataplane.region import SharedRegion
+from kvtier.dataplane.session import DataPlaneUnavailable
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
 from kvtier.rpc import kvtier_pb2 as pb
@@ -36,7 +37,6 @@ from kvtier.rpc.names import AUTH_METADATA, REGION_METADATA, SERVICE_NAME
 from kvtier.rpc.wire import ChunkFrame, encode_frame, meta_to_msg
 from kvtier.server.daemon import Daemon
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from storage_backends.shm_link import DataPlaneUnavailable
 from tests.helpers import SECRET, chain_blocks, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

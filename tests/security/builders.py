@@ -32,7 +32,7 @@ from kvtier.store.tiered_store import TieredStore
 from storage_backends.gpu import GpuTier
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
-from storage_backends.s3_keys import S3WrappedKeyStore
+from storage_backends.s3.key_mirror import S3WrappedKeyStore
 from tests.helpers import DERIVER, SMALL
 
 ALICE = Principal("acme", "alice", org="eng", session="s1")

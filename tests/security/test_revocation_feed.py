@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.security.policy import ROLE_OPERATOR, Policy, Principal
 from kvtier.security.revocations import RevocationSync
-from storage_backends.s3_revocations import S3RevocationFeed
+from storage_backends.s3.revocation_feed import S3RevocationFeed
 from tests.helpers import DERIVER
 
 ALICE = Principal("acme", "alice")

@@ -8,6 +8,7 @@ and those under ``if TYPE_CHECKING:`` included: a rule that only holds at run ti
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "kvtier.store": {CORE},
     "kvtier.transfer": {CORE},
     "kvtier.rpc": {CORE},
-    "kvtier.dataplane": {CORE},
+    "kvtier.dataplane": {CORE, "kvtier.rpc", "kvtier.store", "kvtier.security"},
     "kvtier.engine": {CORE, "kvtier.transfer"},
     "kvtier.security": {CORE, "kvtier.store"},
     "kvtier.planning": {CORE, "kvtier.store"},
@@ -29,10 +30,10 @@ ALLOWED: dict[str, set[str]] = {
     "storage_backends": {CORE, "kvtier.store", "kvtier.security", "kvtier.transfer", "kvtier.rpc",
                          "kvtier.dataplane"},
     "kvtier.server": {CORE, "kvtier.store", "kvtier.security", "kvtier.planning", "kvtier.cache", "kvtier.rpc",
-                      "kvtier.transfer", "kvtier.dataplane", "storage_backends"},
+                      "kvtier.transfer", "kvtier.dataplane"},
     "connectors": {CORE, "kvtier.store", "kvtier.security", "kvtier.planning", "kvtier.cache", "kvtier.rpc",
                    "kvtier.transfer", "kvtier.dataplane", "kvtier.engine", "kvtier.server", "storage_backends"},
-    "kvtier.cli": {CORE, "kvtier.store", "kvtier.security", "kvtier.server", "kvtier.rpc", "storage_backends"},
+    "kvtier.cli": {CORE, "kvtier.store", "kvtier.security", "kvtier.server", "kvtier.rpc"},
     "benchmarks": {CORE, *(f"kvtier.{p}" for p in ("store", "security", "planning", "cache", "rpc", "transfer",
                                                    "engine", "server", "cli", "dataplane")),
                    "storage_backends", "connectors"},
@@ -96,10 +97,46 @@ def test_every_part_imports_only_what_its_layer_allows() -> None:
     assert not broken, "imports against the layering:\n" + "\n".join(sorted(broken))
 
 
-def test_nothing_under_kvtier_names_benchmarks_or_connectors() -> None:
+def test_nothing_under_kvtier_imports_another_top_level_folder() -> None:
+    """kvtier/ is the core: backends and harnesses are found through entry points (kvtier/plugins.py)."""
     bad = [f"{m} -> {d}" for m, ds in graph().items() if m.startswith("kvtier") for d in ds
-           if d.split(".")[0] in ("benchmarks", "connectors")]
+           if d.split(".")[0] != "kvtier"]
     assert not bad, bad
+
+
+def test_nothing_under_kvtier_names_benchmarks_or_storage_backends_as_a_module() -> None:
+    """Not even as a string for importlib: a name in a string is an import no check would see."""
+    pattern = re.compile(r"\b(benchmarks|storage_backends|connectors)\.(?!md\b)[a-z_]+")
+    bad = [f"{path.relative_to(ROOT)}: {m.group(0)}" for name, path in modules().items() if name.startswith("kvtier")
+           for m in pattern.finditer(path.read_text())]
+    assert not bad, bad
+
+
+#: The data plane's modules, both ends: they live in kvtier/dataplane/ and nowhere else.
+DATAPLANE = {"region", "handshake", "session", "layered_read", "listener", "region_table", "region_writer",
+             "shared_pages", "slices", "typed_views"}
+
+
+def test_the_data_plane_has_one_home() -> None:
+    here = {p.stem for p in (ROOT / "kvtier" / "dataplane").glob("*.py")} - {"__init__"}
+    assert here == DATAPLANE
+    for top in PROJECT:
+        for f in (ROOT / top).rglob("*.py"):
+            if "dataplane" not in f.parts and f.stem in DATAPLANE - {"session"}:
+                raise AssertionError(f"{f.relative_to(ROOT)}: a data-plane module outside kvtier/dataplane/")
+
+
+def test_storage_backends_holds_tiers_only() -> None:
+    """Every module of storage_backends/ defines a Tier or serves one (S3's package: its config,
+    breaker, probes, objects, key mirror and revocation feed), and none is a data-plane module."""
+    import storage_backends
+
+    tiers = {"memory", "frame_memory", "meta", "lmdb", "gpu", "grpc"}
+    s3 = {"tier", "config", "breaker", "probes", "objects", "key_mirror", "revocation_feed"}
+    found = {str(f.relative_to(ROOT / "storage_backends").with_suffix("")) for f in
+             (ROOT / "storage_backends").rglob("*.py") if "__pycache__" not in f.parts}
+    assert found == {"__init__", *tiers, "s3/__init__", *(f"s3/{m}" for m in s3)}, found
+    assert storage_backends.__file__
 
 
 def test_no_import_circles_between_modules() -> None:

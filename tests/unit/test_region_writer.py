@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from kvtier.dataplane.region import SharedRegion
-from kvtier.errors import InvalidRequest
-from kvtier.keys import Scope
-from kvtier.layout import KVLayout
-from kvtier.rpc.wire import carries_chunk, decode_message, describes_placed, encode_frame, message_chunks, wire_frame
-from kvtier.server.region_writer import (
+from kvtier.dataplane.region_writer import (
     PLACED_PER_MESSAGE,
     REGION_MESSAGE_BYTES,
     Placement,
     RegionWriter,
     progress_points,
 )
+from kvtier.errors import InvalidRequest
+from kvtier.keys import Scope
+from kvtier.layout import KVLayout
+from kvtier.rpc.wire import carries_chunk, decode_message, describes_placed, encode_frame, message_chunks, wire_frame
 from tests.helpers import chain_blocks
 
 #: 12 layers: block [12, 2, 32, 2, 64] bf16, 192 KiB.

@@ -8,8 +8,8 @@ import pytest
 
 from kvtier.errors import CorruptRecord
 from kvtier.security.policy import RevocationChange
-from storage_backends.s3_config import S3Config
-from storage_backends.s3_revocations import S3RevocationFeed
+from storage_backends.s3.config import S3Config
+from storage_backends.s3.revocation_feed import S3RevocationFeed
 from tests.helpers import DERIVER
 
 CHANGE = RevocationChange("principal:acme/alice", True, 1234.5, "node-a", "kvtier/ops", "leaked token")

@@ -13,8 +13,8 @@ import fcntl
 import pytest
 import torch
 
-from connectors.shared_pages import PagesNotShared, SharedPages
 from kvtier.dataplane.region import REQUIRED_SEALS
+from kvtier.dataplane.shared_pages import PagesNotShared, SharedPages
 
 LAYERS, PAGES, PAGE_SHAPE = 3, 50, (2, 16, 4, 32)  # 8 KiB pages of bf16
 
@@ -74,7 +74,7 @@ def test_layouts_the_file_cannot_describe_are_refused_and_left_alone() -> None:
 
 
 def test_a_large_storage_moves_in_steps_and_keeps_every_byte(monkeypatch) -> None:
-    import connectors.shared_pages as shared_pages
+    import kvtier.dataplane.shared_pages as shared_pages
 
     monkeypatch.setattr(shared_pages, "STEP", 3 * 4096)  # many steps, one of them partial
     views = one_storage_views()

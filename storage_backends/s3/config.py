@@ -12,7 +12,7 @@ from botocore.config import Config
 
 from kvtier.errors import ConfigError
 from kvtier.keys import DIGEST_BYTES, DOMAIN_BYTES, LAYOUT_TAG_BYTES, BlockKey, ScopeDomain, make_key
-from storage_backends.s3_probes import PROBES
+from storage_backends.s3.probes import PROBES
 
 #: S3 allows at most this many keys per DeleteObjects call.
 MAX_DELETE_BATCH = 1000

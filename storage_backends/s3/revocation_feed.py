@@ -44,8 +44,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.errors import CorruptRecord
 from kvtier.security.policy import RevocationChange
-from storage_backends.s3_config import S3Config
-from storage_backends.s3_objects import S3Objects
+from storage_backends.s3.config import S3Config
+from storage_backends.s3.objects import S3Objects
 
 FEED_DIR = "_revocations"
 #: A change's record is a few hundred bytes; anything larger is not one of ours.

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from kvtier.dataplane.handshake import Attached, read_hello, send_attached, send_refusal
 from kvtier.dataplane.region import RegionRefused, SharedRegion
+from kvtier.dataplane.region_table import RegionTable, owner_of
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.security.policy import Principal
-from kvtier.server.region_table import RegionTable, owner_of
 
 log = logging.getLogger("kvtier.server")
 

@@ -25,8 +25,8 @@ from kvtier.errors import CorruptRecord, TierUnavailable
 from kvtier.keys import DOMAIN_BYTES, ScopeDomain
 from kvtier.security.master_keys import DEK_ID_BYTES
 from kvtier.security.wrapped_keys import WrappedKey
-from storage_backends.s3_config import S3Config
-from storage_backends.s3_objects import S3Objects
+from storage_backends.s3.config import S3Config
+from storage_backends.s3.objects import S3Objects
 
 KEYS_DIR = "_keys"
 MAGIC = b"kvtk2\x00"

@@ -3,7 +3,7 @@ of its region.
 
 The daemon puts blocks shaped ``[layers, ...]`` back to back from the start of the share, as for
 any Get over shared memory, but copies them layer by layer (see
-``kvtier.server.region_writer.RegionWriter``): their chunks come first, then after each layer s a
+``kvtier.dataplane.region_writer.RegionWriter``): their chunks come first, then after each layer s a
 ``layers_ready = s + 1`` message. ``LayerMajorShare`` checks every placement against that rule,
 hands each layer to the caller's LayerSink as soon as its message arrives (layer s of block k is
 bytes ``[s * strip, (s + 1) * strip)`` of block k, so the rows of a layer lie a block apart), and

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import botocore.exceptions as bce
 
 from kvtier.errors import TierUnavailable
-from storage_backends.s3_config import S3Config
+from storage_backends.s3.config import S3Config
 
 T = TypeVar("T")
 _ERRORS = (bce.BotoCoreError, bce.ClientError)

@@ -1,0 +1,19 @@
+"""The S3-compatible remote tier and what lives in its bucket beside the blocks.
+
+- ``tier``: ``S3Tier`` (blocks as objects) and ``SeaweedVacuum`` (compaction after a purge);
+- ``config``: ``S3Config`` and the object names; ``breaker``: the circuit breaker; ``probes``:
+  how a chain's longest stored prefix is found; ``objects``: the small-object client shared by
+  the two stores below;
+- ``key_mirror``: the node's wrapped data keys, mirrored for the other nodes of the bucket, and
+- ``revocation_feed``: the revocations every node of the bucket follows.
+
+The daemon finds this package through the ``kvtier.backends`` entry point ``s3``.
+"""
+
+from storage_backends.s3.config import S3Config
+from storage_backends.s3.key_mirror import S3WrappedKeyStore
+from storage_backends.s3.revocation_feed import S3RevocationFeed
+from storage_backends.s3.tier import S3Tier, S3Timeout, S3Unreachable, SeaweedVacuum
+
+__all__ = ["S3Config", "S3RevocationFeed", "S3Tier", "S3Timeout", "S3Unreachable", "S3WrappedKeyStore",
+           "SeaweedVacuum"]
