@@ -36,18 +36,19 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connectors.daemon_cache import DaemonCache
 from connectors.identity import salt_mapper
 from kvtier.cache.kv_cache import CacheOptions, KVCache
+from kvtier.cache.prefix_cache import PrefixCache
 from kvtier.errors import ConfigError
 from kvtier.keys import ScopeKind
 from kvtier.layout import KVLayout
-from kvtier.security.policy import Policy, Principal
+from kvtier.security.domain_table import DomainTable
+from kvtier.security.policy import Principal
 from kvtier.security.salts import SaltMapper
 from kvtier.store.tier import Tier
-from kvtier.store.tiered_store import TieredStore, TransferObserver
 
 if TYPE_CHECKING:
-    from kvtier.security.domain_table import DomainTable
     from storage_backends.grpc import GrpcTier, GrpcTierConfig
 
 CONFIG_PREFIX = "kvtier."
@@ -113,27 +114,23 @@ def shared_cache(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
         return cache
 
 
-def daemon_cache(
-    tier_config: GrpcTierConfig, layout: KVLayout, *, observer: TransferObserver | None = None
-) -> KVCache:
-    """A KVCache whose one tier is a ``kvtier serve`` daemon, for the principal of the token in
-    ``tier_config`` only: keys use the scope domains the daemon hands out for that token (the
-    server secret never leaves the daemon), and the daemon checks its policy again on every call;
-    the local policy only refuses early. Pass the token's principal to every call. ``observer``
-    (a cost model) is told the size and duration of every read from the daemon."""
+def daemon_cache(tier_config: GrpcTierConfig, layout: KVLayout) -> DaemonCache:
+    """The node daemon's client for the principal of the token in ``tier_config``: keys use the
+    scope domains the daemon hands out for that token (the server secret never leaves the
+    daemon), and the daemon decides every call. Pass ``cache.principal`` to every call."""
     from storage_backends.grpc import GrpcTier
 
     tier = GrpcTier(tier_config)
-    # DomainTable stands in for the DomainDeriver: it answers for the token's own scopes only.
-    return KVCache(TieredStore([tier], observer=observer), layout, Policy(tier.domains()))  # type: ignore[arg-type]
+    table = tier.domains()
+    return DaemonCache(tier, layout, table, principal_of(table))
 
 
 @dataclass(slots=True, frozen=True)
 class Tenant:
-    """Whom a request is served as, and the KVCache that serves it."""
+    """Whom a request is served as, and the cache that serves it (in process, or the daemon)."""
 
     principal: Principal
-    cache: KVCache
+    cache: PrefixCache
 
 
 class CacheSource(ABC):
@@ -182,8 +179,8 @@ class LocalSource(CacheSource):
 class DaemonSource(CacheSource):
     """The node's daemon, reached with the engine's credential; per salt, a client on the same
     channel that acts for the salt's principal (verified by the daemon) and a KVCache keyed with
-    the scope domains the daemon hands out for it. Bounded: the least recently used salts' caches
-    are dropped beyond ``max_tenants``."""
+    the scope domains the daemon hands out for it (a DaemonCache). Bounded: the least recently
+    used salts' clients are dropped beyond ``max_tenants``."""
 
     shared_across_processes = True
 
@@ -192,28 +189,29 @@ class DaemonSource(CacheSource):
         self.layout = layout
         self.max_tenants = max_tenants
         self._lock = threading.Lock()
-        self._tenants: OrderedDict[str, Tenant] = OrderedDict()
+        self._tenants: OrderedDict[str, tuple[Tenant, GrpcTier]] = OrderedDict()
 
     def for_salt(self, salt: str | None) -> Tenant | None:
         if not salt:
             return None
         with self._lock:
-            t = self._tenants.get(salt)
-            if t is not None:
+            known = self._tenants.get(salt)
+            if known is not None:
                 self._tenants.move_to_end(salt)
-                return t
+                return known[0]
         tier = self.root.acting_for(salt)
         table = tier.domains()  # the daemon verifies the salt here (AuthError / AccessDenied)
-        t = Tenant(principal_of(table), KVCache(TieredStore([tier]), self.layout, Policy(table)))  # type: ignore[arg-type]
+        principal = principal_of(table)
+        t = Tenant(principal, DaemonCache(tier, self.layout, table, principal))
         with self._lock:
-            self._tenants[salt] = t
+            self._tenants[salt] = (t, tier)
             while len(self._tenants) > self.max_tenants:
                 self._tenants.popitem(last=False)
         return t
 
     def errors(self) -> dict[str, int]:
         with self._lock:
-            tiers = [self.root, *(t for tenant in self._tenants.values() for t in tenant.cache.store.tiers)]
+            tiers = [self.root, *(tier for _, tier in self._tenants.values())]
         return _tier_errors(tiers)
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ How vLLM's world maps onto kvtier:
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -63,8 +64,9 @@ from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rul
 from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
 from kvtier.block import Block
 from kvtier.dataplane.shared_pages import PagesNotShared
-from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, TierUnavailable
+from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, Overloaded, TierUnavailable
 from kvtier.layout import KVLayout, dtype_name
+from kvtier.planning.cost_model import CostModel
 from kvtier.store.lookup import Lookup
 
 log = logging.getLogger("kvtier.connector")
@@ -86,8 +88,9 @@ class BlockJob:
     """Load or save blocks ``[start, end)`` of a request's chain to/from vLLM blocks ``block_ids``.
 
     Carries tokens and scopes, not keys: each worker derives keys with its own layout. A load also
-    carries what the scheduler's lookup found for ``[start, end)`` under the scheduler's layout
-    (``layout_fp``): a worker with that same layout reads it without looking up again.
+    carries the scheduler's whole lookup (``found``, under the scheduler's layout ``layout_fp``):
+    a worker with that same layout reads its ``[start, end)`` without looking up again (through
+    a daemon, the lookup carries the daemon's ticket and the daemon walks no tier for it).
     """
 
     req_id: str
@@ -166,6 +169,38 @@ def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
     )
 
 
+#: vLLM's ``CacheHitSource`` value for the tiers kvtier names (a daemon's and an in-process store's);
+#: any other tier (S3, a plug-in) counts as external.
+TIER_SOURCES: dict[str, str] = {"memory": "host", "lmdb": "disk"}
+
+
+def tokens_by_tier(lookup: Lookup, start: int, end: int, block_tokens: int) -> dict[str, int]:
+    """Tokens of chain blocks ``[start, end)`` per tier that ``lookup`` found them in."""
+    out: dict[str, int] = {}
+    for run in lookup.runs:
+        n = max(0, min(end, run.start + run.count) - max(start, run.start))
+        if n:
+            out[run.tier] = out.get(run.tier, 0) + n * block_tokens
+    return out
+
+
+def planner_from(spec: object, layout: KVLayout) -> CostModel | None:
+    """``kvtier.planner``: ``module:function``, called with the layout, returns a CostModel."""
+    if not spec:
+        return None
+    module, sep, attr = str(spec).partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"kvtier.planner: expected module:function, got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"kvtier.planner: cannot load {spec!r} ({exc})") from None
+    planner = fn(layout)
+    if not isinstance(planner, CostModel):
+        raise ConfigError(f"kvtier.planner: {spec!r} returned {type(planner).__name__}, not a CostModel")
+    return planner
+
+
 def _check_process_model(source: CacheSource, vllm_config: VllmConfig, provider: str) -> None:
     """Refuse, at start-up, a cache that the engine's processes would not share.
 
@@ -223,6 +258,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self.rule: ScopeRule = scope_rule(str(self.options.get("scope_rule", "private")),
                                           str(self.options.get("private_scope", "user")))
         self.load_async = bool(self.options.get("load_async", False))
+        #: ``kvtier.planner`` (``module:function``, called with the layout): the cost model that
+        #: decides how much of a hit to reload; without one, every hit is reloaded.
+        self.planner: CostModel | None = planner_from(self.options.get("planner"), self.layout)
         self.save_enabled = bool(self.options.get("save", True)) and self._kv_transfer_config.is_kv_producer
         self.load_enabled = self._kv_transfer_config.is_kv_consumer
         if role == KVConnectorRole.SCHEDULER and self.load_enabled:
@@ -244,6 +282,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._matched: dict[str, _Match] = {}
         self._loads_pending: list[BlockJob] = []
         self._tracked: dict[str, _Tracked] = {}
+        #: Tokens each request's load takes from each kind of tier (get_external_cache_hit_sources).
+        self._hit_sources: dict[str, dict[str, int]] = {}
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
@@ -298,7 +338,7 @@ class KvtierConnector(KVConnectorBase_V1):
         except AccessDenied:  # revoked or rate-limited principal: served without kvtier
             self.stats["lookup_refused"] += 1
             return 0, False
-        decision = load_decision(None, lookup, len(tokens) - lookup.length * self.block_tokens, self.layout)
+        decision = load_decision(self.planner, lookup, len(tokens) - lookup.length * self.block_tokens, self.layout)
         hit_tokens = decision.blocks * self.block_tokens
         self._matched[request.request_id] = _Match(salt, tenant, prompt, num_computed_tokens, lookup,
                                                    decision.blocks, decision.plan)
@@ -319,8 +359,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 raise LayoutMismatch(f"request {request.request_id}: {len(block_ids)} blocks allocated, "
                                      f"kvtier planned blocks [{start}, {end})")
             self._loads_pending.append(BlockJob(request.request_id, match.salt, match.prompt, start, end,
-                                                tuple(block_ids[start:end]), match.lookup.slice(start, end),
-                                                self.layout.fingerprint))
+                                                tuple(block_ids[start:end]), match.lookup, self.layout.fingerprint))
+            self._hit_sources[request.request_id] = tokens_by_tier(match.lookup, start, end, self.block_tokens)
             self.stats["load_jobs"] += 1
             self.stats["load_tokens"] += num_external_tokens
         if self.save_enabled and request.request_id not in self._tracked:
@@ -372,9 +412,26 @@ class KvtierConnector(KVConnectorBase_V1):
                 self.stats["resave_blocks"] += tr.saved_upto - first
                 tr.saved_upto = first
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """The tokens of this request's load by the kind of tier that holds them (vLLM's
+        ``CacheHitSource``: host memory, disk, or external for a remote tier), from the lookup."""
+        by_tier = self._hit_sources.pop(request.request_id, {})
+        if num_external_tokens == 0:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        out: dict[Any, int] = {}
+        for tier, n in by_tier.items():
+            source = CacheHitSource(TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED.value))
+            out[source] = out.get(source, 0) + n
+        if sum(out.values()) != num_external_tokens:  # vLLM loaded another count than planned
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return out
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves complete inside the step that computed the blocks (wait_for_save), so vLLM may
         # free the blocks right away.
+        self._hit_sources.pop(request.request_id, None)
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self.publish_stats()
@@ -473,11 +530,12 @@ class KvtierConnector(KVConnectorBase_V1):
                 # The scheduler's lookup is this worker's only when both derive keys with one layout;
                 # then its keys need not be derived again (the gate re-checks them for this principal).
                 if job.found is not None and job.layout_fp == self.layout.fingerprint:
-                    blocks = tenant.cache.load_found(tenant.principal, job.found, sink=sink)
+                    blocks = tenant.cache.load_found(tenant.principal, job.found, start=job.start, end=job.end,
+                                                     sink=sink)
                 else:
                     chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
                     blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], sink=sink)
-            except (AccessDenied, TierUnavailable) as exc:  # refused or unreachable: vLLM recomputes them
+            except (AccessDenied, TierUnavailable, Overloaded) as exc:  # refused or unreachable: recomputed
                 blocks, error = [], exc
                 counts[f"load_error:{type(exc).__name__}"] += 1
             counts["loaded_blocks"] += len(blocks)
@@ -593,7 +651,7 @@ class KvtierConnector(KVConnectorBase_V1):
             public = job.prompt.public_blocks
             first = max(job.start, public)  # public blocks are published, never written for a request
             report = tenant.cache.save(tenant.principal, chain, tensors[first - job.start :], start=first)
-        except TierUnavailable:
+        except (TierUnavailable, Overloaded):
             out["save_unavailable"] += 1
         except AccessDenied:
             out["save_refused"] += 1

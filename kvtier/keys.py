@@ -12,7 +12,7 @@ import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NewType
+from typing import NewType, Protocol
 
 import numpy as np
 
@@ -186,7 +186,14 @@ def chain_step(parent_digest: bytes, domain: ScopeDomain, token_bytes: bytes) ->
     return h.digest()
 
 
-def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainDeriver,
+class DomainSource(Protocol):
+    """Where a chain's scope domains come from: a ``DomainDeriver`` (holds the server secret) or
+    a daemon's answer for one caller (``kvtier.security.domain_table.DomainTable``)."""
+
+    def domain(self, scope: Scope) -> ScopeDomain: ...
+
+
+def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainSource,
                 after: ChainBlock | None = None) -> list[ChainBlock]:
     """Chained keys of every *full* block of a request; a partial last block is not cached.
 

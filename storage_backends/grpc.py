@@ -66,6 +66,7 @@ from kvtier.rpc.wire import (
 )
 from kvtier.security.domain_table import DomainTable, ScopeGrant
 from kvtier.store.layer_sink import LayerSink
+from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
 
@@ -260,9 +261,35 @@ class GrpcTier(Tier):
                 return 0
             raise
 
-    def lookup(self, keys: Sequence[BlockKey]) -> pb.LookupResponse:
-        """The daemon's full answer: prefix length, the tier runs behind it, readable keys."""
+    def lookup_response(self, keys: Sequence[BlockKey]) -> pb.LookupResponse:
+        """The daemon's full answer: prefix length, the tier runs behind it, readable keys, ticket."""
         return self._unary("Lookup", pb.LookupRequest(keys=list(keys)))
+
+    def lookup(self, keys: Sequence[BlockKey]) -> Lookup:
+        """What the daemon found for this chain: its runs per daemon tier and its ticket. Hand it
+        back to ``load`` to read it with no second walk in the daemon. A daemon that cannot be
+        reached answers a miss (counted), as ``contains`` does."""
+        try:
+            resp = self.lookup_response(keys)
+        except KvtierError as exc:
+            if self._degrade(exc):
+                return Lookup.miss(len(keys))
+            raise
+        runs = tuple(TierRun(r.level, r.tier, r.start, r.count) for r in resp.runs)
+        return Lookup(runs, len(keys), tuple(keys[: resp.length]), bytes(resp.ticket))
+
+    def load(self, lookup: Lookup, start: int = 0, end: int | None = None, *,
+             sink: LayerSink | None = None) -> list[Block]:
+        """The blocks of ``lookup`` (this daemon's answer to ``lookup``) at chain positions
+        ``[start, end)``, read in one Get that hands the lookup back (``GET_MODE_FOUND``): the
+        daemon re-checks it and reads exactly its runs. The result is a prefix of those blocks:
+        one that vanished or failed verification ends it. ``sink``: as for ``get_layers``."""
+        end = lookup.length if end is None else min(end, lookup.length)
+        if not 0 <= start <= end or not lookup.loadable:
+            raise ValueError(f"load: [{start}, {end}) of a {lookup.length}-block lookup")
+        got = self._read(lookup.keys[start:end], None, pb.GET_MODE_FOUND, sink, found=(lookup, start))
+        n = next((i for i, b in enumerate(got) if b is None), len(got))
+        return [b for b in got[:n] if b is not None]
 
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         return self._read(keys, None, pb.GET_MODE_EACH)
@@ -286,7 +313,7 @@ class GrpcTier(Tier):
 
     def _read(
         self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int,
-        sink: LayerSink | None = None,
+        sink: LayerSink | None = None, found: tuple[Lookup, int] | None = None,
     ) -> list[Block | None]:
         out: list[Block | None] = [None] * len(keys)
         if not keys:
@@ -297,7 +324,7 @@ class GrpcTier(Tier):
             pages = self._ch.session.pages(sink.pages.fd, self._offer, self._token)
             if pages is not None:
                 try:
-                    self._stream(keys, None, mode, out, None, sink, pages)
+                    self._stream(keys, None, mode, out, None, sink, pages, found)
                     return self._counted(out, t0)
                 except RegionUnavailable:  # raised before any byte moved: the daemon restarted
                     self._ch.session.lost_pages(pages)
@@ -311,12 +338,12 @@ class GrpcTier(Tier):
         # then stays taken until the call has ended and the last of those blocks is gone.
         lease = None if share is None else SliceLease(link.slices, share)
         try:
-            self._stream(keys, outs, mode, out, None if lease is None else (link, lease), sink)
+            self._stream(keys, outs, mode, out, None if lease is None else (link, lease), sink, found=found)
         except RegionUnavailable:
             assert link is not None
             self._ch.session.lost(link)  # the daemon restarted: this read goes inline
             out = [None] * len(keys)
-            self._stream(keys, outs, mode, out, None, None)
+            self._stream(keys, outs, mode, out, None, None, found=found)
         finally:
             if lease is not None:
                 lease.drop()
@@ -334,7 +361,7 @@ class GrpcTier(Tier):
     def _stream(
         self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int, out: list[Block | None],
         shm: tuple[SharedMemoryLink, SliceLease] | None, sink: LayerSink | None = None,
-        pages: PagesLink | None = None,
+        pages: PagesLink | None = None, found: tuple[Lookup, int] | None = None,
     ) -> None:
         """One Get call, its blocks placed into ``out``; failures the engine must survive are counted.
         With ``sink`` and shared memory, the call is laid out layer by layer (see get_layers); with
@@ -346,6 +373,12 @@ class GrpcTier(Tier):
             return torch.empty(meta.shape, dtype=DTYPES[meta.dtype][0])
 
         request = pb.GetRequest(keys=list(keys), mode=mode)
+        if found is not None:
+            lookup, request.found_start = found
+            request.found_keys.extend(lookup.keys)
+            request.found_runs.extend(pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count)
+                                      for r in lookup.runs)
+            request.ticket = lookup.ticket
         window = adopt = take = None
         layered: LayerMajorShare | PlacedShare | None = None
         used = [0]  # bytes of the share the daemon filled (from its start: it fills in order)
@@ -439,7 +472,10 @@ class GrpcTier(Tier):
             if shm is not None:
                 shm[1].trim(used[0])
 
-    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False) -> PutResult:
+    def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False,
+            degrade: bool = True) -> PutResult:
+        """The Tier contract's put; ``degrade=False``: an unreachable, slow or overloaded daemon
+        raises (TierUnavailable, Overloaded...) instead of answering every block rejected."""
         res = PutResult()
         if not blocks:
             return res
@@ -454,7 +490,7 @@ class GrpcTier(Tier):
                     self._ch.session.lost(link)  # the daemon restarted: this put goes inline
                     resp = self._put_call(blocks, None)
         except KvtierError as err:
-            if not self._degrade(err):
+            if not degrade or not self._degrade(err):
                 raise
             self.metrics.error("dropped_put", len(blocks))
             res.rejected = [b.key for b in blocks]

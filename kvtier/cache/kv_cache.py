@@ -224,15 +224,22 @@ class KVCache:
         gate.served(principal, len(blocks), n)
         return blocks  # type: ignore[return-value]
 
-    def load_found(self, principal: Principal, lookup: Lookup, *, sink: LayerSink | None = None) -> list[Block]:
-        """The verified blocks ``lookup`` found (``lookup(principal, chain)``'s answer, handed
-        back, possibly by another process of the same engine: vLLM's scheduler looks up, its
-        worker loads). The gate re-checks that ``principal`` may still read every key of it, so
-        a lookup made for someone else is refused (AccessDenied) before any tier is touched; a
-        block that vanished or failed verification since shortens the result."""
+    def load_found(self, principal: Principal, lookup: Lookup, *, start: int = 0, end: int | None = None,
+                   sink: LayerSink | None = None) -> list[Block]:
+        """The verified blocks ``lookup`` found at chain positions ``[start, end)``
+        (``lookup(principal, chain)``'s answer, handed back, possibly by another process of the
+        same engine: vLLM's scheduler looks up, its worker loads). The gate re-checks that
+        ``principal`` may still read every key of it, so a lookup made for someone else is
+        refused (AccessDenied) before any tier is touched; a block that vanished or failed
+        verification since shortens the result."""
         if not lookup.loadable:
             raise ScopeError("load_found: a lookup built without its keys cannot be loaded")
+        end = lookup.length if end is None else end
+        if not 0 <= start <= end:
+            raise ValueError(f"load_found: [{start}, {end})")
         lk = self.gate.recheck(principal, lookup)
+        if start or end < lk.length:
+            lk = lk.slice(start, min(end, lk.length))
         blocks = self.store.load(lk, sink=sink)
         self.gate.served(principal, len(blocks), lk.length)
         return blocks  # type: ignore[return-value]
@@ -256,7 +263,7 @@ class KVCache:
         self.policy.require_active(principal)
         if start < 0 or start + len(tensors) > len(chain):
             raise LayoutMismatch(f"save: {len(tensors)} tensors from block {start} overrun a {len(chain)}-block chain")
-        _check_links(chain)
+        check_links(chain)
         part = chain[start : start + len(tensors)]
         writable = self.gate.writable(principal, [key_domain(cb.key) for cb in part])
         blocks: list[Block] = []
@@ -416,7 +423,7 @@ class KVCache:
         return lay
 
 
-def _check_links(chain: Sequence[ChainBlock]) -> None:
+def check_links(chain: Sequence[ChainBlock]) -> None:
     """A chain handed back by a caller must still be a chain: each block's parent is the previous key."""
     for prev, cur in itertools.pairwise(chain):
         if cur.parent != prev.key or cur.index != prev.index + 1:

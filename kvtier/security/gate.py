@@ -9,7 +9,9 @@ where a step says it reads the store):
 
 - lookup:        ``lookup(p, keys)`` -> a ``GateLookup`` (probes the tiers once).
 - load/prefix:   ``require_readable(p, keys)``, then ``lookup(p, keys, then_read=True)`` or, for a
-                 lookup handed back, ``recheck(p, lookup)``; read the store; ``served(p, hit, wanted)``.
+                 lookup handed back, ``recheck(p, lookup)`` (in process) or ``handed_back(p, lookup)``
+                 (across a trust boundary: it must carry the ticket ``seal`` put on it); read the
+                 store; ``served(p, hit, wanted)``.
 - per-key read:  ``require_readable(p, keys)``, ``admit(p)``, ``each(p, keys)``; read the store;
                  ``served(p, hit, wanted)``.
 - write:         ``writable(p, domains)`` -> which domains to store (False: a shared scope the
@@ -31,10 +33,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.errors import AccessDenied
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
+from kvtier.security.lookup_tickets import LookupTickets
 from kvtier.security.policy import ROLE_OPERATOR, Op, Policy, Principal
 from kvtier.security.timing import TimingGuard, TimingMitigations
 from kvtier.store.lookup import Lookup
@@ -72,6 +75,7 @@ class AccessGate:
         self._fence = store.fence
         self._count = count
         self.guard = TimingGuard(store, mitigations, count, clock)
+        self.tickets = LookupTickets(clock=clock)
 
     # -- reads ------------------------------------------------------------------------------------
     def readable(self, p: Principal) -> dict[ScopeDomain, Scope]:
@@ -123,6 +127,21 @@ class AccessGate:
         readable = self.require_readable(p, lookup.keys)
         n = self._usable(lookup.keys, readable)
         return lookup if n == lookup.length else lookup.slice(0, n)
+
+    def seal(self, p: Principal, lookup: Lookup) -> Lookup:
+        """``lookup`` (this gate's answer to ``p``) with a ticket, so that ``p`` may hand it back
+        later, from another process, and have it loaded without a second walk."""
+        return replace(lookup, ticket=self.tickets.issue(p.id, lookup))
+
+    def handed_back(self, p: Principal, lookup: Lookup) -> Lookup | None:
+        """A sealed lookup handed back across a trust boundary: ``recheck``-ed when its ticket is
+        this gate's, for ``p``, for these keys and runs, and not expired; None otherwise (counted
+        ``lookup_ticket_stale``: the caller then looks up again, it never loads on the client's
+        word, since a forged lookup could read a public prefix the timing rules hide)."""
+        if not lookup.loadable or not self.tickets.verify(p.id, lookup, lookup.ticket):
+            self._count("lookup_ticket_stale", 1)
+            return None
+        return self.recheck(p, lookup)
 
     def each(self, p: Principal, keys: Sequence[BlockKey]) -> list[bool]:
         """Which keys a per-key read may serve: not under purge, and, while the minimum public

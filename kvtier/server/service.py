@@ -4,12 +4,16 @@ Every access decision is made by the one ``AccessGate`` (kvtier/security/gate.py
 in-process KVCache uses too; this module only translates between the wire, the gate and the
 store, and every read goes through the store (verification, promotion, metrics):
 - Lookup: ``gate.lookup``; the prefix stops at the first key the caller may not read or whose
-  scope is being purged, and the answer never depends on whether such a key is stored.
+  scope is being purged, and the answer never depends on whether such a key is stored. The
+  answer carries the gate's ticket (``gate.seal``), so the caller can hand it back to a Get.
 - Get: ``gate.require_readable`` refuses the whole call (PERMISSION_DENIED) if any key is not
   the caller's, before any tier is touched. Prefix mode: ``gate.lookup`` then ``store.load`` of
   that lookup. Per-key mode: ``gate.each`` says which keys may be served, ``store.get_each``
   reads them (promoting hits from lower tiers, as a prefix read does). Both modes ask
   ``gate.require_still_active`` before every message, so a revocation ends an open stream.
+  Found mode (a Lookup's answer handed back): ``gate.handed_back`` re-checks it (ticket,
+  revocation, purges) and ``store.load`` reads exactly its runs, with no second walk; a stale
+  ticket makes it a prefix read. One tier walk per request, lookup included.
 - Put: ``gate.writable`` per block as it arrives (refused: another's scope, a private scope the
   caller may not write, a scope under purge); a shared scope the caller may read but not publish
   is skipped and listed as rejected. The store's per-key report says stored/present/rejected,
@@ -62,6 +66,7 @@ from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Princi
 from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
+from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 
@@ -202,16 +207,18 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
         keys = check_keys(request.keys, self.limits.max_keys)
         gl = self.gate.lookup(call.principal, keys)
-        runs = [pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in gl.lookup.runs]
-        return pb.LookupResponse(length=gl.lookup.length, runs=runs, readable=gl.readable)
+        sealed = self.gate.seal(call.principal, gl.lookup)
+        return pb.LookupResponse(length=sealed.length, runs=runs_to_msg(sealed.runs), readable=gl.readable,
+                                 ticket=sealed.ticket)
 
     # -- get --------------------------------------------------------------------------------------
     def Get(self, request: pb.GetRequest, call: Call) -> Iterator[pb.BlockChunk]:
         keys = check_keys(request.keys, self.limits.max_keys)
         p = call.principal
         self.gate.require_readable(p, keys)
-        if request.mode not in (pb.GET_MODE_EACH, pb.GET_MODE_PREFIX):
+        if request.mode not in (pb.GET_MODE_EACH, pb.GET_MODE_PREFIX, pb.GET_MODE_FOUND):
             raise InvalidRequest(f"unknown get mode {request.mode}")
+        found = self._found(request, keys) if request.mode == pb.GET_MODE_FOUND else None
         placement = None
         if request.block_offsets or request.layer_stride:
             if len(request.block_offsets) != len(keys):
@@ -226,15 +233,43 @@ class KvCacheService(pb_grpc.KvCacheServicer):
                 if request.mode == pb.GET_MODE_EACH:
                     self.gate.admit(p)
                     yield from self._get_each(keys, call, sent, out)
+                elif found is not None:
+                    yield from self._get_lookup(self._recheck_found(p, found, request.found_start, len(keys)),
+                                                call, sent, out)
                 else:
-                    yield from self._get_prefix(keys, call, sent, out)
+                    yield from self._get_lookup(self.gate.lookup(p, keys, then_read=True).lookup, call, sent, out)
             finally:
                 self.gate.served(p, sent[0], len(keys))
 
-    def _get_prefix(
-        self, keys: list[BlockKey], call: Call, sent: list[int], out: RegionWriter | None
+    def _found(self, request: pb.GetRequest, keys: list[BlockKey]) -> Lookup:
+        """The Lookup a found-mode Get hands back, checked for shape (keys within its prefix)."""
+        found_keys = check_keys(request.found_keys, self.limits.max_keys)
+        runs = tuple(TierRun(r.level, r.tier, r.start, r.count) for r in request.found_runs)
+        lk = Lookup(runs, len(found_keys), tuple(found_keys), bytes(request.ticket))
+        at = request.found_start
+        pos = 0
+        for r in runs:
+            if r.start != pos or r.count == 0 or r.level >= len(self.store.tiers) \
+                    or self.store.tiers[r.level].name != r.tier:
+                raise InvalidRequest("found_runs: not the runs of a lookup of this daemon")
+            pos += r.count
+        if pos != len(found_keys) or list(found_keys[at : at + len(keys)]) != keys:
+            raise InvalidRequest("found mode: keys must be found_keys[found_start:...] of a whole lookup")
+        return lk
+
+    def _recheck_found(self, p: Principal, found: Lookup, at: int, n: int) -> Lookup:
+        """What a handed-back lookup still holds for keys ``[at, at + n)``: its runs when its
+        ticket is good (no walk), else a fresh lookup of the chain up to there (one walk)."""
+        checked = self.gate.handed_back(p, found)
+        if checked is None:
+            checked = self.gate.lookup(p, list(found.keys[: at + n]), then_read=True).lookup
+        return checked.slice(at, at + n)
+
+    def _get_lookup(
+        self, lk: Lookup, call: Call, sent: list[int], out: RegionWriter | None
     ) -> Iterator[ChunkFrame | pb.BlockChunk | bytes]:
-        lk = self.gate.lookup(call.principal, keys, then_read=True).lookup
+        """Stream what ``lk`` found (a prefix read's own lookup, or one handed back)."""
+        keys = lk.keys
         step = self._batch(out, len(keys))
         # Pinned for the whole stream: a block promised by this lookup is not evicted before it
         # is sent, however slowly the client reads.
@@ -515,6 +550,10 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         return out
 
 
+
+
+def runs_to_msg(runs: Sequence[TierRun]) -> list[pb.TierRun]:
+    return [pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in runs]
 
 
 def service_handler(service: KvCacheService) -> grpc.GenericRpcHandler:

@@ -28,12 +28,15 @@ class Lookup:
 
     Invariants: runs are contiguous from position 0 and ordered; ``keys`` are the chain's keys of
     that prefix (``len(keys) == length``) when the lookup came from a store, and empty for a
-    lookup built by hand for planning only (which cannot be loaded).
+    lookup built by hand for planning only (which cannot be loaded). ``ticket``: a daemon's seal
+    on this exact lookup (kvtier/security/lookup_tickets.py), so it can be handed back to that
+    daemon and loaded without a second walk; a slice is another lookup and carries none.
     """
 
     runs: tuple[TierRun, ...]
     requested: int
     keys: tuple[BlockKey, ...] = ()
+    ticket: bytes = b""
 
     @property
     def length(self) -> int:

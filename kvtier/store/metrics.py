@@ -88,13 +88,22 @@ class TierMetrics:
 
 
 class RequestMetrics:
-    """Token hit rate = cached input tokens / total input tokens (DESIGN 3.9), not 'requests with a hit'."""
+    """Token hit rate = cached input tokens / total input tokens (DESIGN 3.9), not 'requests with a hit'.
+
+    ``walks``: searches of the tiers for which of a request's keys they hold (a prefix lookup, or
+    a per-key read's probes): one per request is the goal, a load of a lookup handed back costs none.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests = 0
         self.input_tokens = 0
         self.hit_tokens = 0
+        self.walks = 0
+
+    def walked(self) -> None:
+        with self._lock:
+            self.walks += 1
 
     def record(self, input_tokens: int, hit_tokens: int) -> None:
         assert 0 <= hit_tokens <= input_tokens
@@ -114,4 +123,5 @@ class RequestMetrics:
                 "input_tokens": self.input_tokens,
                 "hit_tokens": self.hit_tokens,
                 "token_hit_rate": self.token_hit_rate,
+                "walks": self.walks,
             }

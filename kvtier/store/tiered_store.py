@@ -154,6 +154,7 @@ class TieredStore:
         client one more round trip on every lookup that ends short). One ``contains`` per tier
         per run keeps remote tiers to a few batched probes instead of one round trip per block.
         """
+        self.requests.walked()
         runs: list[TierRun] = []
         pos = 0
         ended = -1  # the tier whose run stopped at pos: it does not hold keys[pos], so it is not asked
@@ -211,6 +212,7 @@ class TieredStore:
     def get_each(self, keys: Sequence[BlockKey], *, first: FirstTierReader | None = None) -> list[Readable | None]:
         """Each key from the fastest tier that holds it (None where none does), with the same
         checks and promotion as ``load``: one batched read per tier for the keys still missing."""
+        self.requests.walked()
         with self.pins.hold(list(keys)):
             return self._each(keys, first, 0)
 

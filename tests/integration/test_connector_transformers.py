@@ -103,5 +103,5 @@ def test_prefix_from_the_daemon(runner: PrefillRunner, daemon: tuple[Daemon, Loc
     try:
         check_round_trip(runner, alice, bob)
     finally:
-        alice.store.close()
-        bob.store.close()
+        alice.close()
+        bob.close()

@@ -148,11 +148,11 @@ def test_tenants_share_public_prefix_and_nothing_else(client) -> None:
     assert all(g is not None and same_bytes(g, b) for g, b in zip(got, a_blocks[:2], strict=True))
     # ...but alice's private blocks are invisible: the lookup stops where his domains stop,
     # the same whether the block exists or not.
-    resp = bob.lookup(a_keys)
+    resp = bob.lookup_response(a_keys)
     assert (resp.readable, resp.length) == (2, 2)
     absent = user_chain(alice, 6, public_prefix=2, seed=9)
     absent_keys = [b.key for b in absent[:2]] + [bytes(56 - 1) + b"\x01" for _ in range(4)]
-    assert bob.lookup(absent_keys).readable == 2
+    assert bob.lookup_response(absent_keys).readable == 2
     with pytest.raises(AccessDenied):
         bob.get(a_keys)
     with pytest.raises(AccessDenied):

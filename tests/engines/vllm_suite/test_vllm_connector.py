@@ -457,3 +457,47 @@ def test_a_load_larger_than_one_staging_buffer_goes_in_batches() -> None:
     for layer, name in enumerate(LAYER_NAMES):
         assert all(torch.equal(kv[name][1 + i], d[layer]) for i, d in enumerate(data))
     paged.close()
+
+
+def test_hit_sources_name_the_tier_each_loaded_token_came_from(salt_key_file: str) -> None:
+    """vLLM's ``get_external_cache_hit_sources``: the load's tokens by kind of tier, from the
+    lookup's runs (memory is host memory), summing to what vLLM loads."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    eng = make_engine(vllm_config(salt_key_file))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(5 * BLOCK + 3)
+    run_prefill(eng, request("r1", tokens, salt), list(range(6)), fill_seed=5)
+    req = request("r2", tokens, salt)
+    assert eng.scheduler.get_num_new_matched_tokens(req, 2 * BLOCK) == (3 * BLOCK, False)
+    eng.scheduler.update_state_after_alloc(req, blocks_of([0, 1, 40, 41, 42, 43]), 3 * BLOCK)
+    assert eng.scheduler.get_external_cache_hit_sources(req, 3 * BLOCK) == {CacheHitSource.HOST: 3 * BLOCK}
+    # Control: a count other than the planned one is not attributed to a tier.
+    req3 = request("r3", tokens, salt)
+    eng.scheduler.get_num_new_matched_tokens(req3, 0)
+    eng.scheduler.update_state_after_alloc(req3, blocks_of(list(range(10, 16))), 5 * BLOCK)
+    assert eng.scheduler.get_external_cache_hit_sources(req3, 4 * BLOCK) == {
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK}
+
+
+def never_reload(layout: Any) -> Any:
+    """A cost model under which recomputing always wins: loading is absurdly slow."""
+    from kvtier.planning.cost_model import CostModel
+    from kvtier.planning.profiles import PrefillProfile, TierProfile
+
+    return CostModel(PrefillProfile(0.0, 1e-9, 0.0), {"memory": TierProfile("memory", latency_s=10.0, bandwidth_Bps=1.0)})
+
+
+def test_the_connector_passes_its_planner(salt_key_file: str) -> None:
+    """``kvtier.planner``: the cost model decides how much of a hit to reload."""
+    eng = make_engine(vllm_config(salt_key_file, planner=f"{__name__}:never_reload"))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(4 * BLOCK + 3)
+    run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=6)
+    assert eng.scheduler.get_num_new_matched_tokens(request("r2", tokens, salt), 0) == (0, False)
+    assert eng.scheduler.stats["plan:full-recompute"] == 1
+    # Control: without a planner the same hit is reloaded in full.
+    plain = make_engine(vllm_config(salt_key_file))
+    assert plain.scheduler.get_num_new_matched_tokens(request("r3", tokens, salt), 0) == (4 * BLOCK, False)
+    with pytest.raises(ConfigError, match="kvtier.planner"):
+        make_engine(vllm_config(salt_key_file, planner="no_such_module:f"))
