@@ -73,13 +73,13 @@ status=0
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
   if [ "$CUDA" = 1 ]; then
     echo "gpu_check: running the GPU-marked tests"
-    tests=(tests/unit/test_transfer.py tests/unit/test_gpu_tier.py tests/unit/test_hostmem.py
+    tests=(tests/unit/transfer/test_engine.py tests/unit/storage_backends/test_gpu.py tests/unit/core/test_hostmem.py
            tests/contract/test_gpu_contract.py)
     select=(-m gpu)
   else
     echo "gpu_check: CUDA absent: running the CPU path of the transfer and GPU-tier tests instead"
-    tests=(tests/unit/test_transfer.py tests/unit/test_gpu_tier.py tests/unit/test_hostmem.py
-           tests/contract/test_gpu_contract.py tests/unit/test_transfer_deps.py tests/unit/test_gpu_bench.py)
+    tests=(tests/unit/transfer/test_engine.py tests/unit/storage_backends/test_gpu.py tests/unit/core/test_hostmem.py
+           tests/contract/test_gpu_contract.py tests/unit/transfer/test_gpu_path_deps.py tests/unit/benchmarks/test_gpu_bench.py)
     select=()
   fi
   # The shared conftest loads the S3 fixture plugin only where boto3 is installed, so it is safe here.

@@ -35,7 +35,7 @@ def pack_canonical(obj: str | int | list) -> bytes:
 
     Written out here so that the layout fingerprint (and everything keyed by it) needs no
     third-party package: the GPU transfer path runs on machines that carry only torch and numpy.
-    tests/unit/test_transfer_deps.py checks it against msgpack itself.
+    tests/unit/transfer/test_gpu_path_deps.py checks it against msgpack itself.
     """
     if isinstance(obj, bool) or not isinstance(obj, str | int | list):
         raise TypeError(f"pack_canonical: unsupported type {type(obj).__name__}")

@@ -1,7 +1,7 @@
 """PrefixCache: what an engine's connector needs from kvtier, whichever side holds the store.
 
 Two implementations: ``KVCache`` (the store in this process, behind the access gate) and the
-engine's client of a node daemon (``connectors.daemon_cache.DaemonCache``: the daemon holds the
+engine's client of a node daemon (``DaemonCache``, beside the connectors: the daemon holds the
 store and the gate; the client only derives keys and moves blocks). A connector is written
 against this protocol and works with either.
 

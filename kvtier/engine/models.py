@@ -9,7 +9,7 @@ The weights have a proper scale: every matrix is drawn from N(0, 1/fan_in) (fan_
 width, so each layer keeps its activations at unit scale) and every norm weight is 1. With this
 scale the output depends on the whole context: the same question after another document, or after
 zeroed KV, gives other tokens from the first one on, while a prefix computed apart and reused moves
-float32 log-probabilities by about 1e-5 (``tests/unit/test_models.py`` checks both). Weights of
+float32 log-probabilities by about 1e-5 (``tests/unit/engine/test_models.py`` checks both). Weights of
 about +-1e-3 (vLLM's ``load_format="dummy"``) would not: its outputs hardly depend on the KV.
 ``kvtier.engine.checkpoint`` writes the same weights as a safetensors checkpoint for vLLM.
 """

@@ -86,7 +86,7 @@ def payload_view(block: Block) -> memoryview:
 # twice more on each side (into a bytes object, into the message, out of it); these encode a
 # BlockChunk straight from a block's memory and decode one into a view of the received buffer.
 # The bytes are exactly protobuf's (fields in number order, proto3 defaults omitted), so any
-# protobuf client or server interoperates; tests/unit/test_server_wire.py checks both directions.
+# protobuf client or server interoperates; tests/unit/rpc/test_wire.py checks both directions.
 _T_POSITION, _T_META, _T_OFFSET, _T_DATA, _T_LAST, _T_CHECKSUM, _T_MORE = 0x08, 0x12, 0x18, 0x22, 0x28, 0x30, 0x3A
 _T_IN_REGION, _T_REGION_OFFSET, _T_LAYERS_READY = 0x40, 0x48, 0x50
 #: BlockChunk.placed, placed_parents, placed_indices: only ever in a small message (see _decode).

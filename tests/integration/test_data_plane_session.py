@@ -274,7 +274,7 @@ CLIENT = textwrap.dedent("""
     from kvtier.keys import Scope
     from storage_backends.grpc import GrpcTier, GrpcTierConfig
     from tests.helpers import chain_blocks
-    from tests.integration.test_shm_data_plane import MID
+    from tests.integration.test_data_plane_session import MID
     tier = GrpcTier(GrpcTierConfig(sys.argv[1], sys.argv[2], data_plane="shm", region_bytes=8 << 20))
     blocks = chain_blocks(4, layout=MID, seed=9, scope=Scope.user("acme/alice"))
     tier.put(blocks)

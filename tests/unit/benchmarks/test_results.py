@@ -10,7 +10,7 @@ import pytest
 from benchmarks.results import BEGIN, END, MEASURES, Measure, _lookup, load, page_table, record, summary, write_docs
 from kvtier.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _vllm(tmp: Path, name: str, speedup: float, same: float) -> Path:

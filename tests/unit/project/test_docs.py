@@ -9,7 +9,7 @@ from pathlib import Path
 from kvtier.cli.main import build_parser
 from kvtier.server.config import field_table_markdown
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_operations_config_table_is_the_schema():
@@ -55,7 +55,7 @@ def test_every_kvtier_command_in_the_docs_exists():
 
 def test_benchmarks_page_is_short_and_holds_no_unrecorded_figures():
     """A page a user can read: under 400 lines; its summary comes from benchmarks/results/
-    (tests/unit/test_bench_results.py); nothing measured by a script that was not committed."""
+    (tests/unit/benchmarks/test_results.py); nothing measured by a script that was not committed."""
     text = (ROOT / "docs/benchmarks.md").read_text()
     assert len(text.splitlines()) < 400
     assert "scratch" not in text.lower()

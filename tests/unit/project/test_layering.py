@@ -12,7 +12,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROJECT = ("kvtier", "storage_backends", "connectors", "benchmarks")
 
 CORE = "kvtier (core nouns)"

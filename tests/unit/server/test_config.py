@@ -12,7 +12,7 @@ from kvtier.cli.main import main as cli_main
 from kvtier.errors import ConfigError
 from kvtier.server.config import DaemonConfig, config_from_dict, field_table, field_table_markdown, load_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def minimal(**extra: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import pytest
 from kvtier.layout import pack_canonical
 from tests.helpers import SMALL
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: Packages the GPU box does not have. Importing any of them on the GPU path is a bug.
 ABSENT = ("lmdb", "boto3", "botocore", "cryptography", "msgpack", "xxhash", "grpc", "google.protobuf",
           "prometheus_client", "transformers", "matplotlib", "yaml", "hypothesis")
