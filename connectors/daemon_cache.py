@@ -101,13 +101,15 @@ class DaemonCache:
 
     def load(self, principal: Principal, chain: Sequence[ChainBlock], n: int | None = None, *,
              lookup: Lookup | None = None, sink: LayerSink | None = None) -> list[Block]:
-        """The longest cached prefix of ``chain[:n]``: ``lookup`` (or a fresh one), then one Get."""
+        """The longest cached prefix of ``chain[:n]``: the ``lookup`` handed back, or (without one)
+        one Get that looks up and reads in a single walk of the daemon's tiers."""
         n = len(chain) if n is None else n
         if not 0 <= n <= len(chain):
             raise ValueError(f"load: n={n} outside [0, {len(chain)}]")
         if lookup is None:
-            lookup = self.lookup(principal, chain[:n])
-        elif list(lookup.keys[: min(n, lookup.length)]) != [cb.key for cb in chain[: min(n, lookup.length)]]:
+            self._check(principal)
+            return self.client.get_prefix([cb.key for cb in chain[:n]], sink=sink)
+        if list(lookup.keys[: min(n, lookup.length)]) != [cb.key for cb in chain[: min(n, lookup.length)]]:
             raise ScopeError("load: the lookup handed back is not one of this chain")
         return self.load_found(principal, lookup, end=n, sink=sink)
 

@@ -63,8 +63,10 @@ from connectors.provision import CacheSource, Tenant, cache_source, kvtier_optio
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
 from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
 from kvtier.block import Block
+from kvtier.cache.kv_cache import RequestSegment
 from kvtier.dataplane.shared_pages import PagesNotShared
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, Overloaded, TierUnavailable
+from kvtier.keys import ChainBlock
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.planning.cost_model import CostModel
 from kvtier.store.lookup import Lookup
@@ -139,6 +141,15 @@ class _Tracked:
     block_ids: list[int]
     saved_upto: int
     prompt_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class _Chain:
+    """A request's chain as far as the worker derived it, with what it was derived from."""
+
+    salt: str
+    prompt: ScopedPrompt
+    blocks: list[ChainBlock]
 
 
 def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, tp_rank: int = 0,
@@ -297,6 +308,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._finished_recving: set[str] = set()
         self._paged: PagedKV | None = None
         self._gathers: dict[int, list[Gathered | None]] = {}
+        #: Worker side: each running request's chain as far as it was derived (under ``_lock``),
+        #: so a step's save derives only its new blocks; dropped when vLLM says the request finished.
+        self._chains: dict[str, _Chain] = {}
         sched = getattr(vllm_config, "scheduler_config", None)
         max_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
         #: Pages one step can save per layer: the staging the transfer engine preallocates.
@@ -645,7 +659,7 @@ class KvtierConnector(KVConnectorBase_V1):
             tenant = self.source.for_salt(job.salt)
             if tenant is None:
                 raise AccessDenied(f"request {job.req_id}: its salt no longer resolves")
-            chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
+            chain = self._chain_upto(job, tenant, out)
             if len(chain) < job.end:  # the principal has no private scope: nothing to save
                 return out
             public = job.prompt.public_blocks
@@ -659,10 +673,38 @@ class KvtierConnector(KVConnectorBase_V1):
             out["saved_blocks"] += report.offered
         return out
 
+    def _chain_upto(self, job: BlockJob, tenant: Tenant, out: Counter[str]) -> list[ChainBlock]:
+        """The request's chain up to block ``job.end``: what an earlier step of it derived is
+        kept, so only the new blocks are derived (``keys_derived`` counts them)."""
+        with self._lock:
+            known = self._chains.get(job.req_id)
+        if known is not None and (known.salt != job.salt or known.prompt != job.prompt):
+            known = None  # preempted and rescheduled with another scope cut: start again
+        blocks = [] if known is None else known.blocks
+        if len(blocks) >= job.end:
+            return blocks[: job.end]
+        bt = self.block_tokens
+        if blocks and len(blocks) >= job.prompt.public_blocks:
+            # Past the public part, every block is private: continue the chain from its last block.
+            try:
+                rest = tenant.cache.chain(tenant.principal, [RequestSegment(
+                    job.prompt.tokens[len(blocks) * bt : job.end * bt], job.prompt.private_kind)], after=blocks[-1])
+            except AccessDenied:
+                rest = []
+            chain = [*blocks, *rest]
+        else:
+            chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
+        out["keys_derived"] += len(chain) - len(blocks) if chain[: len(blocks)] == blocks else len(chain)
+        with self._lock:
+            self._chains[job.req_id] = _Chain(job.salt, job.prompt, chain)
+        return chain
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._load_thread is not None and not self._load_thread.is_alive():
             self._join_load()
         with self._lock:
+            for req_id in finished_req_ids:
+                self._chains.pop(req_id, None)
             done, self._finished_recving = self._finished_recving, set()
         return None, (done or None)
 

@@ -307,9 +307,10 @@ class GrpcTier(Tier):
         the sink is never called."""
         return self._read(keys, None, pb.GET_MODE_EACH, sink)
 
-    def get_prefix(self, keys: Sequence[BlockKey]) -> list[Block]:
-        """The longest cached prefix in one call (the daemon promotes hits toward its fast tiers)."""
-        return [b for b in self._read(keys, None, pb.GET_MODE_PREFIX) if b is not None]
+    def get_prefix(self, keys: Sequence[BlockKey], *, sink: LayerSink | None = None) -> list[Block]:
+        """The longest cached prefix in one call: the daemon looks it up and reads it in one walk
+        (and promotes hits toward its fast tiers). ``sink``: as for ``get_layers``."""
+        return [b for b in self._read(keys, None, pb.GET_MODE_PREFIX, sink) if b is not None]
 
     def _read(
         self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor] | None, mode: int,

@@ -79,10 +79,12 @@ def test_a_lookup_handed_back_to_load_costs_no_second_lookup_rpc(rig) -> None:
         assert len(blocks) == 3 and all(torch.equal(b.data, d) for b, d in zip(blocks, data, strict=True))
         assert after.get("Lookup", 0) - before.get("Lookup", 0) == 1
         assert after.get("Get", 0) - before.get("Get", 0) == 1
-        # Without the lookup, load asks once itself: the same count, never two.
-        cache.load(alice, chain)
+        # Without the lookup, load is one Get that looks up and reads in the daemon: one walk.
+        walks = daemon.store.requests.walks
+        assert len(cache.load(alice, chain)) == 3
         again = daemon.metrics.snapshot()["calls"]
-        assert again["Lookup"] - after["Lookup"] == 1 and again["Get"] - after["Get"] == 1
+        assert again.get("Lookup", 0) == after.get("Lookup", 0) and again["Get"] - after["Get"] == 1
+        assert daemon.store.requests.walks - walks == 1
     finally:
         cache.close()
 

@@ -413,6 +413,21 @@ def test_chunked_prefill_saves_each_block_once(salt_key_file: str) -> None:
     out2.num_scheduled_tokens = {"r1": 2 * BLOCK - 3}
     meta2 = eng.scheduler.build_connector_meta(out2)
     assert [(j.start, j.end, j.block_ids) for j in meta2.saves] == [(2, 4, (2, 3))]
+    # The worker stores both steps; the second derives only its own two keys, continuing the chain.
+    w = eng.worker
+    for m in (meta, meta2):
+        w.bind_connector_metadata(m)
+        w.start_load_kv(None)
+        for name in LAYER_NAMES:
+            w.save_kv_layer(name, eng.kv[name], None)
+        w.wait_for_save()
+        w.flush_saves()
+        w.clear_connector_metadata()
+    assert w.stats["saved_blocks"] == 4 and w.stats["keys_derived"] == 4
+    # Control: keys derived from scratch (another request, same tokens) find all four blocks.
+    assert eng.scheduler.get_num_new_matched_tokens(request("r2", tokens, salt), 0) == (4 * BLOCK, False)
+    w.get_finished({"r1"})
+    assert "r1" not in w._chains
 
 
 def test_wrong_paged_kv_shape_is_refused(salt_key_file: str) -> None:
