@@ -117,6 +117,11 @@ class GpuTier(IndexedTier):
                     return i
             return len(keys)
 
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            return [k in self._entries for k in keys]
+
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         return self._read(keys, None)
 

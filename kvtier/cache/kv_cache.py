@@ -374,8 +374,8 @@ class KVCache:
         """What is left of a scope in every holder (keys listed from the tiers' own storage) and
         in the key ring: all zeros after a purge. Needs delete rights on the scope."""
         domain = self.gate.require_purge(actor, self.resolve_scope(actor, scope))
-        holders: list[Any] = [*self.store.tiers, *self.options.extra_purgers]
-        left = {h.name: len(h.keys_in_scope(domain)) for h in holders}
+        left = {name: len(keys) for name, keys in self.store.keys_by_tier(domain).items()}
+        left.update((h.name, len(h.keys_in_scope(domain))) for h in self.options.extra_purgers)
         keyring = self.options.keyring
         if keyring is not None:
             left["data_keys"] = len(keyring.store.wrapped_for(domain))
@@ -394,9 +394,9 @@ class KVCache:
             target = principal.own_scope(scope)
             self.gate.require_scope(principal, target)
             readable = {d: s for d, s in readable.items() if s == target}
-        usage = [(t.name, t.usage().by_domain) for t in self.store.tiers]
+        usage = self.store.usage()
         scopes = {
-            s.kind.name.lower(): {name: int(by_domain.get(d, 0)) for name, by_domain in usage}
+            s.kind.name.lower(): {name: int(u.by_domain.get(d, 0)) for name, u in usage.items()}
             for d, s in readable.items()
         }
         return {"principal": principal.id, "scopes": scopes}
@@ -404,6 +404,10 @@ class KVCache:
     def record_request(self, input_tokens: int, hit_tokens: int) -> None:
         """Count a request's input tokens and those whose KV came from the cache (token hit rate)."""
         self.store.record_request(input_tokens, hit_tokens)
+
+    def traffic(self) -> list[dict[str, object]]:
+        """Each tier's counters (hits, misses, bytes, puts...)."""
+        return [t.metrics.snapshot() for t in self.store.tiers]
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

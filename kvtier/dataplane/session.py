@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,9 +57,9 @@ class SharedMemoryLink:
     slices: SliceAllocator
     tensor: torch.Tensor
     pinned: bool
-    #: Bytes of the largest block read lately: how much of the region a read of n unknown-size
-    #: blocks asks for (n times this, at most half the region; a quarter before the first read).
-    typical_block_bytes: int = 0
+    #: Bytes of the largest block of the last read that found any (0: none yet): what
+    #: ``read_bytes`` sizes a read of blocks of unknown size by. Set through ``note_block_bytes``.
+    _typical_block_bytes: int = field(default=0, init=False)
 
     @classmethod
     def attach(cls, offer: pb.DataPlaneResponse, token: str, nbytes: int) -> SharedMemoryLink:
@@ -80,6 +80,18 @@ class SharedMemoryLink:
     @property
     def nbytes(self) -> int:
         return self.region.nbytes
+
+    def note_block_bytes(self, nbytes: int) -> None:
+        """A read found blocks of at most ``nbytes`` each: size the next reads by it."""
+        self._typical_block_bytes = nbytes
+
+    def read_bytes(self, n_blocks: int) -> int:
+        """How much of the region a read of ``n_blocks`` blocks of unknown size asks for: n times
+        the block size noted last, at most half the region (a quarter before any was noted), so
+        one read never takes the whole region from the reads running beside it."""
+        if not self._typical_block_bytes:
+            return self.nbytes // 4
+        return min(n_blocks * self._typical_block_bytes, self.nbytes // 2)
 
     def close(self) -> None:
         if self.pinned:

@@ -175,7 +175,7 @@ class RevocationChange:
     actor: str
     reason: str = ""
     #: Who made it, as a role (``operator``, ``admin``, ``""``): a revocation may be lifted only
-    #: with at least the authority that made it (REVOKE_RULES in kvtier/server/service.py).
+    #: with at least the authority that made it (kvtier/security/revoke_rules.py).
     authority: str = ROLE_OPERATOR
 
     @property
@@ -197,10 +197,10 @@ class Policy:
     ``apply_remote``, each of which is first appended to the audit log (when one is configured)
     and then applied, so the persisted log is never behind the in-memory state; on start the
     state is rebuilt by replaying the log. Revocation is immediate within this process; other
-    nodes learn it through ``on_change`` (a revocation feed, kvtier/server/revocations.py) or on
-    their next start. Changes of one target are ordered by their stamp ``(at, origin)``: a
-    change older than the last one applied to its target is ignored (last writer wins), so nodes
-    that see the same changes in any order agree.
+    nodes learn it through the listeners ``subscribe``d to it (a revocation feed,
+    kvtier/security/revocations.py) or on their next start. Changes of one target are ordered by
+    their stamp ``(at, origin)``: a change older than the last one applied to its target is
+    ignored (last writer wins), so nodes that see the same changes in any order agree.
     """
 
     def __init__(self, deriver: DomainDeriver, *, audit: AuditLog | None = None, node: str = "local",
@@ -208,7 +208,7 @@ class Policy:
         self.deriver = deriver
         self.audit = audit
         self.node = node
-        self.on_change: ChangeListener | None = None
+        self._listeners: tuple[ChangeListener, ...] = ()
         self._clock = clock
         self._revoked: set[str] = set()
         self._stamps: dict[str, tuple[float, str]] = {}
@@ -228,6 +228,32 @@ class Policy:
                     # Records from before authorities were recorded count as an operator's.
                     self._apply(ev.target, ev.action == "revoke", stamp,
                                 str(ev.detail.get("authority", ROLE_OPERATOR)))
+
+    # -- listeners --------------------------------------------------------------------------------
+    def subscribe(self, listener: ChangeListener) -> None:
+        """Tell ``listener`` of every change made on this node from now on (not of changes
+        applied from other nodes: those came from a feed already)."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def unsubscribe(self, listener: ChangeListener) -> None:
+        """Stop telling ``listener`` (a listener not subscribed is ignored)."""
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x != listener)
+
+    def _notify(self, change: RevocationChange) -> None:
+        """Every listener hears of ``change``, even after one of them raised; the first error is
+        raised after (the change stands here either way)."""
+        with self._lock:
+            listeners = list(self._listeners)
+        first: Exception | None = None
+        for listener in listeners:
+            try:
+                listener(change)
+            except Exception as exc:  # re-raised below, once every listener was told
+                first = first or exc
+        if first is not None:
+            raise first
 
     # -- decisions --------------------------------------------------------------------------------
     def is_active(self, p: Principal) -> bool:
@@ -364,8 +390,7 @@ class Policy:
                 self.audit.append(actor, "revoke" if revoked else "grant", target, reason=reason,
                                   origin=self.node, origin_at=at, **_authority_detail(authority))
             self._apply(target, revoked, change.stamp, authority)
-        if self.on_change is not None:
-            self.on_change(change)
+        self._notify(change)
 
     def _apply(self, target: str, revoked: bool, stamp: tuple[float, str], authority: str = ROLE_OPERATOR) -> None:
         self._stamps[target] = stamp

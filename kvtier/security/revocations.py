@@ -67,7 +67,7 @@ class RevocationSync:
         self._read_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        policy.on_change = self.publish
+        policy.subscribe(self.publish)
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -78,7 +78,7 @@ class RevocationSync:
             return dict(self.counts) | {k: v for k, v in self.held.items() if v}
 
     def publish(self, change: RevocationChange) -> None:
-        """``Policy.on_change``: share a change made here."""
+        """Subscribed to the policy: share a change made here."""
         what = "revocation" if change.revoked else "grant"
         try:
             self.feed.publish(change)
@@ -159,5 +159,5 @@ class RevocationSync:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self.policy.on_change = None
+        self.policy.unsubscribe(self.publish)
         self.feed.close()

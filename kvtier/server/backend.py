@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.cache.kv_cache import CacheOptions, KVCache
+from kvtier.cache.purge import PurgeReport
 from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver
 from kvtier.plugins import backend
@@ -28,7 +29,6 @@ from kvtier.security.secrets import read_secret_file
 from kvtier.security.timing import TimingMitigations
 from kvtier.security.wrapped_keys import MirroredKeyStore, SlotFileKeyStore, WrappedKeyStore
 from kvtier.server.config import DaemonConfig
-from kvtier.server.service import PurgeOutcome
 from kvtier.store.spill_queue import SpillOptions
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore
@@ -147,11 +147,10 @@ class Backend:
             sync.start()
         return cls(store, policy, cache, local, keyring, audit, sync, closers)
 
-    def purge(self, actor: Principal, scope: str, reason: str) -> PurgeOutcome:
+    def purge(self, actor: Principal, scope: str, reason: str) -> PurgeReport:
         """KVCache.purge: policy check, journal, write fence, data keys destroyed, every tier
         cleared, audited with the actor, the scope and ``reason``."""
-        report = self.cache.purge(actor, scope, reason=reason)
-        return PurgeOutcome(bytes.fromhex(report.domain), dict(report.removed), report.keys_destroyed)
+        return self.cache.purge(actor, scope, reason=reason)
 
     def close(self) -> None:
         closers, self._closers = self._closers, []

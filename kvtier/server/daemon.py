@@ -105,7 +105,7 @@ class Daemon:
         self._data_plane: DataPlaneListener | None = None
         self._data_plane_dir: str | None = None
         self.service = KvCacheService(ServiceParts(
-            store=self.backend.store, gate=self.backend.cache.gate, local_tiers=self.backend.local_tiers,
+            store=self.backend.store, gate=self.backend.cache.gate,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
             # A put commits well before its buffered blocks approach the per-client budget.
             limits=ServiceLimits(chunk_bytes=s.chunk_bytes,

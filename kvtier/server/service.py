@@ -22,7 +22,8 @@ store, and every read goes through the store (verification, promotion, metrics):
 - Delete, ListScope, Purge and Stats: ``gate.require_delete``, ``require_list`` (the public
   scope needs the publish role under the mitigations), the purge function (KVCache.purge:
   ``gate.require_purge``) and ``gate.visible_domains`` / ``gate.sees_totals`` (tier-wide totals
-  for operators only). Revoke: ``REVOKE_RULES`` (who may revoke, and lift, what).
+  for operators only). Revoke: ``change_revocation`` (kvtier/security/revoke_rules.py: who may
+  revoke, and lift, what).
 Put commits whole, verified blocks in batches as they arrive: a stream that fails part-way may
 leave earlier blocks stored (each whole), never a partial block.
 """
@@ -30,7 +31,6 @@ leave earlier blocks stored (each whole), never a partial block.
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
+from kvtier.cache.purge import PurgeReport
 from kvtier.dataplane.region import SharedRegion
 from kvtier.dataplane.region_table import RegionTable
 from kvtier.dataplane.region_writer import Placement, RegionWriter
-from kvtier.errors import AccessDenied, InvalidRequest
+from kvtier.errors import InvalidRequest
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
@@ -62,25 +63,18 @@ from kvtier.rpc.wire import (
 )
 from kvtier.security.audit import check_sizes
 from kvtier.security.gate import AccessGate
-from kvtier.security.policy import ROLE_ADMIN, ROLE_OPERATOR, Op, Policy, Principal
+from kvtier.security.policy import Op, Principal
+from kvtier.security.revoke_rules import RevokeKind, change_revocation
 from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
 from kvtier.server.observability import ServerMetrics
 from kvtier.store.lookup import Lookup, TierRun
-from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 
 log = logging.getLogger("kvtier.server")
 
 
-@dataclass(slots=True, frozen=True)
-class PurgeOutcome:
-    domain: ScopeDomain
-    removed: dict[str, int]
-    keys_destroyed: int
-
-
-PurgeFn = Callable[[Principal, str, str], PurgeOutcome]
+PurgeFn = Callable[[Principal, str, str], PurgeReport]
 """``(actor, scope, reason) -> outcome``: a policy-checked purge of every tier plus the scope's data keys."""
 
 
@@ -102,7 +96,6 @@ class ServiceParts:
     store: TieredStore
     #: The access gate of the daemon's KVCache (``cache.gate``): the one set of access rules.
     gate: AccessGate
-    local_tiers: Sequence[Tier]
     purge: PurgeFn
     budget: ByteBudget
     concurrency: ConcurrencyLimit
@@ -114,71 +107,11 @@ class ServiceParts:
     data_plane: Callable[[], pb.DataPlaneResponse] = pb.DataPlaneResponse
 
 
-#: Authority of a revoke or grant, weakest first: a revocation is lifted only by a caller whose
-#: authority is at least that of the revocation in force (a tenant admin cannot lift an
-#: operator's revocation of one of its users; an operator can lift anything).
-AUTHORITY_RANK: dict[str, int] = {"": 0, ROLE_ADMIN: 1, ROLE_OPERATOR: 2}
-
-
-def authority_of(p: Principal) -> str:
-    return ROLE_OPERATOR if ROLE_OPERATOR in p.roles else ROLE_ADMIN if ROLE_ADMIN in p.roles else ""
-
-
-class RevokeRule(ABC):
-    """Who may revoke what: one small strategy per target kind (registry ``REVOKE_RULES``).
-    By default only operators may; lifting also needs at least the authority the revocation in
-    force was made with (``may_lift``). The policy records every change, with its authority, in
-    its audit log."""
-
-    #: The policy's typed-target prefix for this kind.
-    prefix: str = ""
-
-    def allowed(self, actor: Principal, target: str) -> bool:
-        return ROLE_OPERATOR in actor.roles
-
-    def may_lift(self, policy: Policy, actor: Principal, target: str) -> bool:
-        held = policy.revocation_authority(self.prefix + target)
-        return held is None or AUTHORITY_RANK[authority_of(actor)] >= AUTHORITY_RANK.get(held, 2)
-
-    @abstractmethod
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None: ...
-
-
-class RevokePrincipal(RevokeRule):
-    """Operators anywhere; tenant admins within their own tenant."""
-
-    prefix = "principal:"
-
-    def allowed(self, actor: Principal, target: str) -> bool:
-        tenant = target.partition("/")[0]
-        return ROLE_OPERATOR in actor.roles or (ROLE_ADMIN in actor.roles and tenant == actor.tenant)
-
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None:
-        (policy.grant if lift else policy.revoke)(target, actor=actor.id, reason=reason,
-                                                  authority=authority_of(actor))
-
-
-class RevokeTenant(RevokeRule):
-    prefix = "tenant:"
-
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None:
-        (policy.grant_tenant if lift else policy.revoke_tenant)(target, actor=actor.id, reason=reason,
-                                                                authority=authority_of(actor))
-
-
-class RevokeCredential(RevokeRule):
-    prefix = "credential:"
-
-    def apply(self, policy: Policy, target: str, *, lift: bool, actor: Principal, reason: str) -> None:
-        if lift:
-            raise InvalidRequest("a revoked credential stays revoked: mint a new token instead")
-        policy.revoke_credential(target, actor=actor.id, reason=reason, authority=authority_of(actor))
-
-
-REVOKE_RULES: dict[int, RevokeRule] = {
-    pb.REVOKE_KIND_PRINCIPAL: RevokePrincipal(),
-    pb.REVOKE_KIND_TENANT: RevokeTenant(),
-    pb.REVOKE_KIND_CREDENTIAL: RevokeCredential(),
+#: The wire's revoke kinds, as the revoke rules (kvtier/security/revoke_rules.py) name them.
+REVOKE_KINDS: dict[int, RevokeKind] = {
+    pb.REVOKE_KIND_PRINCIPAL: RevokeKind.PRINCIPAL,
+    pb.REVOKE_KIND_TENANT: RevokeKind.TENANT,
+    pb.REVOKE_KIND_CREDENTIAL: RevokeKind.CREDENTIAL,
 }
 
 
@@ -199,7 +132,6 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         self.gate = parts.gate
         self.policy = parts.gate.policy
         self.limits = parts.limits
-        self._local_names = {t.name for t in parts.local_tiers}
         first = self.store.tiers[0]
         self._frames = first.frames if isinstance(first, FrameSource) else None
 
@@ -438,14 +370,12 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         if request.domain:
             domain = check_domain(request.domain)
             self.gate.require_delete(p, [domain])
-            held: set[BlockKey] = set()
-            for t in self.store.tiers:
-                held.update(t.keys_in_scope(domain))
+            held = self.store.keys_in_scope(domain)
             removed = self.store.delete_scope(domain)
         else:
             keys = list(dict.fromkeys(check_keys(request.keys, self.limits.max_keys)))
             self.gate.require_delete(p, {key_domain(k) for k in keys})
-            held = {k for k in keys if any(t.contains([k]) for t in self.store.tiers)}
+            held = self.store.held(keys)  # one batched ask per tier (concurrent HEADs on S3), not one per key
             removed = self.store.delete(keys)
         log.info("delete", extra={"event": "delete", "principal": p.id, "removed": removed})
         return pb.DeleteResponse(removed=removed, keys_removed=len(held))
@@ -453,10 +383,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     def ListScope(self, request: pb.ListScopeRequest, call: Call) -> pb.ListScopeResponse:
         domain = check_domain(request.domain)
         self.gate.require_list(call.principal, domain)
-        keys: set[BlockKey] = set()
-        for t in self.store.tiers:
-            keys.update(t.keys_in_scope(domain))
-        return pb.ListScopeResponse(keys=sorted(keys))
+        return pb.ListScopeResponse(keys=sorted(self.store.keys_in_scope(domain)))
 
     def Purge(self, request: pb.PurgeRequest, call: Call) -> pb.PurgeResponse:
         if not request.scope:
@@ -467,22 +394,18 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         log.info("purge", extra={"event": "purge", "principal": call.principal.id, "scope_kind": kind,
                                  "reason": request.reason, "removed": res.removed,
                                  "keys_destroyed": res.keys_destroyed})
-        return pb.PurgeResponse(removed=res.removed, data_keys_destroyed=res.keys_destroyed, domain=res.domain)
+        return pb.PurgeResponse(removed=res.removed, data_keys_destroyed=res.keys_destroyed,
+                                domain=bytes.fromhex(res.domain))
 
     def Revoke(self, request: pb.RevokeRequest, call: Call) -> pb.RevokeResponse:
-        rule = REVOKE_RULES.get(request.kind)
-        if rule is None:
+        kind = REVOKE_KINDS.get(request.kind)
+        if kind is None:
             raise InvalidRequest(f"unknown revoke kind {request.kind}")
         if not request.target:
             raise InvalidRequest("revoke needs a target")
         check_sizes(target=request.target, reason=request.reason)  # before anything (audited in full)
         actor = call.principal
-        if not rule.allowed(actor, request.target):
-            raise AccessDenied(f"principal {actor.id} may not revoke {pb.RevokeKind.Name(request.kind)} targets")
-        if request.lift and not rule.may_lift(self.policy, actor, request.target):
-            raise AccessDenied(f"principal {actor.id} may not lift a revocation made with more authority "
-                               "(an operator's): ask an operator")
-        rule.apply(self.policy, request.target, lift=request.lift, actor=actor, reason=request.reason)
+        change_revocation(self.policy, kind, actor, request.target, lift=request.lift, reason=request.reason)
         log.info("revoke", extra={"event": "grant" if request.lift else "revoke", "principal": actor.id,
                                   "kind": pb.RevokeKind.Name(request.kind), "target": request.target})
         return pb.RevokeResponse()
@@ -493,6 +416,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         if not self.gate.sees_totals(call.principal):
             return self._own_stats(visible or {})
         out = pb.StatsResponse()
+        usage = self.store.usage(remote=False)  # the remote tier's would be a listing of the whole bucket
         for t in self.store.tiers:
             snap = t.metrics.snapshot()
             ts = out.tiers.add(name=t.name, hits=snap["hits"], misses=snap["misses"], bytes_in=snap["bytes_in"],
@@ -501,8 +425,8 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             for op, h in snap["latency"].items():
                 ts.latency[op].count = h["n"]
                 ts.latency[op].sum_s = h["sum_s"]
-            if t.name in self._local_names:
-                u = t.usage()
+            u = usage.get(t.name)
+            if u is not None:
                 ts.usage_listed = True
                 ts.blocks, ts.bytes, ts.capacity_bytes = u.blocks, u.bytes, u.capacity_bytes or 0
                 for dom, n in u.by_domain.items():
@@ -523,18 +447,17 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         counters, no server counters: those are everyone's usage together, and totals minus one's
         own usage would be the other tenants' usage."""
         out = pb.StatsResponse()
+        usage = self.store.usage(remote=False, domains=visible)  # totals of the visible domains only
         for t in self.store.tiers:
             ts = out.tiers.add(name=t.name)
-            if t.name not in self._local_names:
+            u = usage.get(t.name)
+            if u is None:
                 continue
-            u = t.usage()
             ts.usage_listed = True
             ts.capacity_bytes = u.capacity_bytes or 0
+            ts.blocks, ts.bytes = u.blocks, u.bytes
             for dom, n in u.by_domain.items():
-                if dom in visible:
-                    ts.domain_bytes[dom.hex()] = n
-                    ts.bytes += n
-                    ts.blocks += len(t.keys_in_scope(dom))
+                ts.domain_bytes[dom.hex()] = n
         out.server.SetInParent()
         return out
 

@@ -34,14 +34,32 @@ class PutResult:
 
 @dataclass(slots=True, frozen=True)
 class TierUsage:
+    """What a tier holds: blocks and bytes in all, and bytes per scope domain (only domains it
+    holds something of). ``blocks_by_domain``, where the tier counts it, has the same domains."""
+
     blocks: int
     bytes: int
     capacity_bytes: int | None
     by_domain: dict[ScopeDomain, int]
+    #: Blocks per scope domain; None where the tier does not count them (``keys_in_scope`` does).
+    blocks_by_domain: dict[ScopeDomain, int] | None = None
 
 
 #: A pin table nobody holds: a put outside a store protects only its own batch.
 NO_PINS = PinTable()
+
+
+def held_by_runs(contains: Callable[[Sequence[BlockKey]], int], keys: Sequence[BlockKey]) -> list[bool]:
+    """Which of ``keys`` are held, from a prefix probe (``contains``: the length of the held run
+    at the start of what it is given): the run from each position is held, the key after it is
+    not, and the next probe starts past that key. One probe per missing key, plus one."""
+    out = [False] * len(keys)
+    pos = 0
+    while pos < len(keys):
+        n = contains(keys[pos:])
+        out[pos : pos + n] = [True] * n
+        pos += n + 1  # keys[pos + n] is the one the probe stopped at: not held
+    return out
 
 
 def protected(blocks: Sequence[Block], pins: PinTable) -> Callable[[BlockKey], bool]:
@@ -93,7 +111,8 @@ class DomainIndex:
         return list(self._by_domain.get(domain, ()))
 
     def usage(self, capacity_bytes: int | None) -> TierUsage:
-        return TierUsage(len(self._entries), self.used, capacity_bytes, dict(self._domain_bytes))
+        return TierUsage(len(self._entries), self.used, capacity_bytes, dict(self._domain_bytes),
+                         {d: len(keys) for d, keys in self._by_domain.items()})
 
     def clear(self) -> None:
         self._entries.clear()
@@ -113,6 +132,9 @@ class Tier(ABC):
 
     Contract (checked by tests/contract/test_tier_contract.py for every tier):
     - ``contains(keys)`` returns the length of the longest prefix of ``keys`` that is present.
+    - ``holds(keys)`` says, aligned with ``keys``, which of them are present, wherever they sit
+      (no prefix rule): the batched "which of these do you hold", one pass or one round of
+      requests per call where the tier can (the default probes run by run with ``contains``).
     - ``get(keys)`` returns a list aligned with ``keys``: the verified block, or None for a miss.
       A record that fails verification is a miss, is removed, and is counted as an error.
     - ``put(blocks, pins=, spill=)`` stores what fits, evicting by the tier's policy entries that
@@ -137,6 +159,12 @@ class Tier(ABC):
 
     @abstractmethod
     def contains(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` this tier holds, aligned with them. This default works for any tier
+        from ``contains``, one probe per missing key plus one; tiers that can answer a whole batch
+        at once (an index under one lock, concurrent requests) override it."""
+        return held_by_runs(self.contains, keys)
 
     @abstractmethod
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]: ...
@@ -205,6 +233,11 @@ class IndexedTier(Tier):
                 if k not in self._index:
                     return i
             return len(keys)
+
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """One pass over the index, under the lock."""
+        with self._lock:
+            return [k in self._index for k in keys]
 
     def delete_scope(self, domain: ScopeDomain) -> int:
         with self._lock:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
@@ -17,7 +17,7 @@ from kvtier.store.metrics import RequestMetrics
 from kvtier.store.pin_table import PinTable
 from kvtier.store.remote_writer import RemoteWriterOptions, WritePolicy, make_write_policy
 from kvtier.store.spill_queue import SpillFailed, SpillOptions, SpillQueue
-from kvtier.store.tier import Tier
+from kvtier.store.tier import Tier, TierUsage, held_by_runs
 from kvtier.store.write_fence import WriteFence
 
 if TYPE_CHECKING:
@@ -403,6 +403,59 @@ class TieredStore:
         removed = {t.name: t.delete_scope(domain) for t in self.tiers}
         removed[self.tiers[0].name] += queued
         return removed
+
+    # -- what the store holds ------------------------------------------------------------------
+    def held(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
+        """Which of ``keys`` some tier holds (queued spills count as tier 0's, as lookups see
+        them). Tier by tier, fastest first, one batched ``holds`` per tier for the keys no faster
+        tier holds: a key found locally never costs a remote request, and no tier is asked key by
+        key. A tier that cannot tell (a remote outage) answers absent, as its lookups do."""
+        todo = list(dict.fromkeys(keys))
+        found: set[BlockKey] = set()
+        for level, t in enumerate(self.tiers):
+            if not todo:
+                break
+            here = t.holds(todo)
+            if level == 0 and self.spills is not None:
+                # Evicted from tier 0 but still queued: tier 0's as far as readers can tell.
+                gone = [k for k, h in zip(todo, here, strict=True) if not h]
+                queued = {k for k, q in zip(gone, held_by_runs(self.spills.contains, gone), strict=True) if q}
+                here = [h or k in queued for k, h in zip(todo, here, strict=True)]
+            found.update(k for k, h in zip(todo, here, strict=True) if h)
+            todo = [k for k, h in zip(todo, here, strict=True) if not h]
+        return found
+
+    def keys_by_tier(self, domain: ScopeDomain) -> dict[str, list[BlockKey]]:
+        """Every key each tier lists under scope ``domain`` from its own storage, by tier name,
+        fastest first. Blocks queued on their way from tier 0 to tier 1 are listed once they
+        land (the spill queue offers lookups and deletes, not listings). TierUnavailable
+        propagates: a listing that could not be made is not an empty one."""
+        return {t.name: t.keys_in_scope(domain) for t in self.tiers}
+
+    def keys_in_scope(self, domain: ScopeDomain) -> set[BlockKey]:
+        """Every key of scope ``domain`` that some tier holds (the union of ``keys_by_tier``)."""
+        return set().union(*self.keys_by_tier(domain).values())
+
+    def usage(self, *, remote: bool = True, domains: Collection[ScopeDomain] | None = None) -> dict[str, TierUsage]:
+        """Each tier's usage by name, fastest first; the remote tier only with ``remote`` (a
+        store whose one tier is the remote one counts it as local).
+
+        With ``domains``: each tier's usage as seen by someone who may see only those scope
+        domains: their bytes and blocks per domain (``blocks_by_domain`` always filled, listed
+        where the tier does not count it) and summed as the totals, and the tier's capacity.
+        TierUnavailable propagates (a remote listing that failed)."""
+        tiers = self.tiers if remote else self.tiers[: self._local]
+        out = {t.name: t.usage() for t in tiers}
+        if domains is None:
+            return out
+        for t in tiers:
+            u = out[t.name]
+            by_domain = {d: n for d, n in u.by_domain.items() if d in domains}
+            counted = u.blocks_by_domain
+            blocks = {d: counted.get(d, 0) if counted is not None else len(t.keys_in_scope(d)) for d in by_domain}
+            out[t.name] = TierUsage(sum(blocks.values()), sum(by_domain.values()), u.capacity_bytes, by_domain,
+                                    blocks)
+        return out
 
     def record_request(self, input_tokens: int, hit_tokens: int) -> None:
         self.requests.record(input_tokens, hit_tokens)

@@ -10,7 +10,7 @@ and a bucket policy can be written per scope domain. Every object is one self-de
 (kvtier.codec): a GET is verified (length, checksum, identity, layout, format version) before it
 is used, so a corrupt object can only ever become a counted miss, never wrong bytes.
 
-Failure model: the engine-facing calls (contains, get, get_into, put) never raise for an
+Failure model: the engine-facing calls (contains, holds, get, get_into, put) never raise for an
 unreachable, refusing or slow endpoint; they return misses / rejected puts, count the cause in
 ``metrics.errors`` and feed a circuit breaker that short-circuits calls while the endpoint is
 down and lets a probe through after a cooldown. Administrative calls (delete, delete_scope,
@@ -241,6 +241,24 @@ class S3Tier(Tier):
             self.metrics.error(cause)
         return n
 
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` exist: one round of concurrent HEADs over the read pool (a key asked
+        twice is asked once), never a round trip per key in sequence. Like ``contains`` it never
+        raises for endpoint trouble: a key it cannot check counts as absent, the cause counted
+        once per call."""
+        if not keys:
+            return []
+        self._count("probe_rounds")
+        heads = self._heads(keys)
+        for cause in {cause for _, cause in heads.values() if cause is not None}:
+            self.metrics.error(cause)
+        return [heads[k][0] for k in keys]
+
+    def _heads(self, keys: Sequence[BlockKey]) -> dict[BlockKey, tuple[bool, str | None]]:
+        """``_head`` of each distinct key, concurrently over the read pool."""
+        unique = list(dict.fromkeys(keys))
+        return dict(zip(unique, self._fan_out(self._reads, self._head, unique), strict=True))
+
     # -- get --------------------------------------------------------------------------------------
     def get(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         return self._read(keys, None)
@@ -393,12 +411,11 @@ class S3Tier(Tier):
 
     # -- delete / listing (administrative: failures raise TierUnavailable) ------------------------
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        unique = list(dict.fromkeys(keys))
-        heads = self._fan_out(self._reads, self._head, unique)
-        for _, cause in heads:
+        heads = self._heads(keys)
+        for _, cause in heads.values():
             if cause is not None:
                 raise S3Unreachable(f"delete: cannot check which objects exist ({cause})")
-        present = [k for k, (ok, _) in zip(unique, heads, strict=True) if ok]
+        present = [k for k, (ok, _) in heads.items() if ok]
         self._delete_names([self.namer.name(k) for k in present])
         return len(present)
 
@@ -475,6 +492,7 @@ class S3Tier(Tier):
         """Exact for the shared bucket: lists the whole prefix (one LIST per 1000 objects)."""
         blocks = total = 0
         by_domain: Counter[ScopeDomain] = Counter()
+        blocks_by_domain: Counter[ScopeDomain] = Counter()
         for page in self._list(self.namer.root()):
             for obj in page.get("Contents") or []:
                 k = self.namer.parse(obj["Key"])
@@ -484,7 +502,8 @@ class S3Tier(Tier):
                 blocks += 1
                 total += size
                 by_domain[ScopeDomain(k[:DOMAIN_BYTES])] += size
-        return TierUsage(blocks, total, None, dict(by_domain))
+                blocks_by_domain[ScopeDomain(k[:DOMAIN_BYTES])] += 1
+        return TierUsage(blocks, total, None, dict(by_domain), dict(blocks_by_domain))
 
     def close(self) -> None:
         if self._closed:

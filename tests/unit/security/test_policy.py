@@ -190,7 +190,8 @@ def test_nodes_agree_whatever_order_they_see_changes_in(tmp_path) -> None:
     a = Policy(DERIVER, audit=AuditLog(tmp_path / "a.log"), node="a", clock=lambda: clock["a"])
     b = Policy(DERIVER, audit=AuditLog(tmp_path / "b.log"), node="b", clock=lambda: clock["b"])
     sent: dict[str, list[RevocationChange]] = {"a": [], "b": []}
-    a.on_change, b.on_change = sent["a"].append, sent["b"].append
+    a.subscribe(sent["a"].append)
+    b.subscribe(sent["b"].append)
     a.revoke(ALICE.id, actor="acme/boss")  # at 10
     b.grant(ALICE.id, actor="acme/boss")  # at 20: the later change wins everywhere
     assert [c.stamp for c in sent["a"] + sent["b"]] == [(10.0, "a"), (20.0, "b")]
@@ -212,7 +213,7 @@ def test_a_listener_failure_leaves_the_change_applied_here() -> None:
     def offline(_c: RevocationChange) -> None:
         raise RuntimeError("feed down")
 
-    p.on_change = offline
+    p.subscribe(offline)
     with pytest.raises(RuntimeError, match="feed down"):
         p.revoke_tenant("globex")
     assert not p.is_active(BOB)
