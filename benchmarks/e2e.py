@@ -47,6 +47,7 @@ from benchmarks.output_match import LOGPROB_TOLERANCE, first_step_diff
 from connectors.provision import daemon_cache
 from connectors.transformers_connector import Generation, TransformersConnector
 from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.cache.prefix_cache import PrefixCache
 from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.engine.prefill import PastBlock, PrefillResult, PrefillRunner, PrefillTiming
 from kvtier.errors import ConfigError, TierUnavailable
@@ -63,7 +64,7 @@ from storage_backends.memory import MemoryTier
 _SECRET = b"kvtier-bench-e2e-server-secret-0123"
 
 #: A principal -> the KVCache it talks to (one shared in-process cache, or one daemon client each).
-CacheSource = Callable[[Principal], KVCache]
+CacheSource = Callable[[Principal], PrefixCache]
 
 
 def tenants_of(n: int) -> list[Principal]:
@@ -159,7 +160,8 @@ def _tokens(n: int, vocab: int, seed: int) -> list[int]:
 def calibrated_cost_model(runner: PrefillRunner, tier_names: list[str]) -> CostModel:
     """Prefill and host-copy profiles probed on this machine; tiers start from priors by kind and
     calibrate online from the store's own transfers."""
-    priors = {"memory": (2e-5, 8e9), "lmdb": (2e-4, 2e9), "s3": (5e-3, 3e8), "daemon": (1e-3, 5e8)}
+    priors = {"memory": (2e-5, 8e9), "lmdb": (2e-4, 2e9), "s3": (5e-3, 3e8), "daemon/memory": (1e-3, 5e8),
+              "daemon/lmdb": (1.2e-3, 4e8), "daemon/s3": (5e-3, 3e8)}
     tiers = {name: TierProfile(name, *priors.get(name, (1e-3, 1e9))) for name in tier_names}
     return CostModel(probe_prefill(runner), tiers, host_to_device=probe_host_to_device(runner))
 
@@ -249,11 +251,11 @@ def _traffic(caches: CacheSource, people: list[Principal]) -> dict[str, dict[str
     out: dict[str, dict[str, int]] = {}
     seen: set[int] = set()
     for p in people:
-        store = caches(p).store
-        if id(store) in seen:
+        cache = caches(p)
+        if id(cache) in seen:
             continue
-        seen.add(id(store))
-        for t in store.stats()["tiers"]:
+        seen.add(id(cache))
+        for t in cache.traffic():
             row = out.setdefault(str(t["tier"]), {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "puts": 0})
             for k in row:
                 row[k] += int(t[k])
@@ -349,7 +351,7 @@ class DaemonSetup(TierSetup):
     the daemon do not share a GIL); one client per tenant token."""
 
     name = "daemon"
-    tier_names = ("daemon",)  # the daemon's own tiers are behind it: the engine sees one
+    tier_names = ("daemon/memory",)  # the daemon's lookup says which of its tiers holds each run
 
     def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
              observer: TransferObserver | None = None) -> CacheSource:
@@ -362,7 +364,7 @@ class DaemonS3Setup(TierSetup):
     encrypted LMDB tier, writing through to an embedded SeaweedFS (also encrypted)."""
 
     name = "daemon+s3"
-    tier_names = ("daemon",)
+    tier_names = ("daemon/memory", "daemon/lmdb", "daemon/s3")
 
     def open(self, stack: ExitStack, workdir: Path, layout: KVLayout, encrypt: bool, *,
              observer: TransferObserver | None = None) -> CacheSource:
@@ -410,12 +412,12 @@ def daemon_source(stack: ExitStack, address: str, token_for: Callable[[Principal
     each client's store tells ``observer`` its reads."""
     from storage_backends.grpc import GrpcTierConfig
 
-    clients: dict[str, KVCache] = {}
+    clients: dict[str, PrefixCache] = {}
 
-    def cache_for(p: Principal) -> KVCache:
+    def cache_for(p: Principal) -> PrefixCache:
         if p.id not in clients:
             cache = daemon_cache(GrpcTierConfig(address, token_for(p)), layout, observer=observer)
-            stack.callback(cache.store.close)
+            stack.callback(cache.close)
             clients[p.id] = cache
         return clients[p.id]
 

@@ -21,7 +21,9 @@ Correctness: every request generates ``OUTPUT_TOKENS`` greedy tokens with the to
 server's output of the same prompt (``benchmarks.output_match``: the same tokens and
 log-probabilities within the dtype's tolerance). Hits are judged by the worker connector's own
 counters (blocks loaded into the pages, blocks whose load failed), not by vLLM's
-``cached_tokens`` (which counts blocks whose load failed and were recomputed). The command exits
+``cached_tokens`` (which counts blocks whose load failed and were recomputed). The counters are
+read where an operator reads them: vLLM's own metrics, the server's ``/metrics``
+(``vllm:kvtier_connector_events_total``; stats logging is on for both servers alike). The command exits
 non-zero when any output differs, when the same prompt sent again was not loaded whole from
 kvtier, or when the ``--serve-bench`` run served no hits.
 
@@ -70,7 +72,7 @@ from benchmarks.common import progress, stop_process
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, combine, compare
 from kvtier.engine.checkpoint import write_checkpoint
 from kvtier.engine.models import ModelSpec, model_spec
-from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.errors import ConfigError, DeadlineExceeded, TierUnavailable
 from kvtier.layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +94,12 @@ IDLE_S = 1.2
 #: alone, the server without kvtier would compute on one thread and the kvtier server on two (and
 #: compute other bits). Both get vLLM's own default without a connector: one core reserved.
 SAME_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+#: The kvtier connector's counter family in vLLM's metrics (``connectors.vllm_stats.EVENTS_METRIC``,
+#: named here because this module runs without vLLM); its samples are ``<name>_total``.
+EVENTS_METRIC = "vllm:kvtier_connector_events"
+#: A request that carries counts into vLLM's metrics and nothing else: no full block, so the
+#: connector neither loads, saves nor counts anything for it (given a valid salt).
+FLUSH_TOKENS = [3] * 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,7 +162,7 @@ def launch_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "m",
            "--dtype", MODEL.dtype, "--enforce-eager", "--max-model-len", "8192",
            "--block-size", str(BLOCK_TOKENS), "--gpu-memory-utilization", "0.3", "--seed", "0",
-           "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"]
+           "--host", "127.0.0.1", "--port", str(port)]
     if kvtier is not None:
         cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps({
             "kv_connector": "KvtierConnector", "kv_connector_module_path": "connectors.vllm_connector",
@@ -267,7 +275,7 @@ def publish(daemon_address: str, dep: Any, engine_token: str, salt: str, doc: li
                              lay)
         public = cache.chain(publisher, [RequestSegment(doc[: len(blocks) * lay.block_tokens], ScopeKind.PUBLIC)])
         stored = sum(cache.save(publisher, public, [b.data for b in blocks]).stored.values())
-        cache.store.close()
+        cache.close()
         return stored
     finally:
         source.close()
@@ -309,7 +317,6 @@ def run(args: argparse.Namespace) -> int:
         token_file = work / "engine.token"
         token_file.write_text(dep.token("node1", "engine", roles=("engine",)))
         token_file.chmod(0o600)
-        stats = work / "stats"
         salts = [dep.salt("acme", "alice"), dep.salt("globex", "bob")]
         rng = random.Random(0)
         vocab = MODEL.vocab_size
@@ -324,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         # phase the order runs A B, B A, B A, A B, ... (``balanced_order``), so neither server goes
         # first more often in any phase.
         kv_cfg = {"kvtier.cache": "daemon", "kvtier.daemon": address, "kvtier.daemon_token_file": str(token_file),
-                  "kvtier.model_id": MODEL_ID, "kvtier.scope_rule": "public-registry", "kvtier.stats_file": str(stats)}
+                  "kvtier.model_id": MODEL_ID, "kvtier.scope_rule": "public-registry"}
         launched = [launch_vllm(stack, args.vllm_python, model, work, "kvtier", kv_cfg),
                     launch_vllm(stack, args.vllm_python, model, work, "vllm-only", None)]
         kv, base = (wait_ready(srv, work) for srv in launched)
@@ -356,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
             cold, ref = alternate("cold", doc + qs[0], salts[0])
             rows.append({"round": r, "question": 0, "phase": "cold", "tenant": 0, **cold})
             refs.append({"round": r, "question": 0, "phase": "cold", **ref})
-            wait_for_saves(stats)
+            wait_for_saves(kv, salts[0])
             publish(address, dep, token_file.read_text(), salts[0], doc, llama_layout())
             progress(f"round {r + 1}/{rounds}: warm")
             for tenant, i in ((1, 1), (0, 2)):
@@ -371,25 +378,25 @@ def run(args: argparse.Namespace) -> int:
             # so they are keyed after that, not after the public blocks.)
             # Sent --same-repeats times: one request to each server per pair, so the ratio rests
             # on more pairs than rounds (single requests here vary by +-20 %).
-            wait_for_saves(stats)
+            wait_for_saves(kv, salts[1])
             progress(f"round {r + 1}/{rounds}: the same prompt again, {args.same_repeats} pairs")
-            before = fresh_counters(kv, stats, salts[1])["worker"]
+            before = fresh_counters(kv, salts[1]).get("worker", {})
             for _ in range(args.same_repeats):
                 again, ref = alternate("warm_same", doc + qs[1], salts[1])
                 rows.append({"round": r, "question": 1, "phase": "warm_same", "tenant": 1, **again})
                 refs.append({"round": r, "question": 1, "phase": "local_hit", **ref})
-            after = fresh_counters(kv, stats, salts[1])["worker"]
+            after = fresh_counters(kv, salts[1]).get("worker", {})
             same_loaded += _delta(before, after, "loaded_blocks")
             same_failed += _delta(before, after, "load_failed_blocks")
             same_full += args.same_repeats * ((len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
             prompt_tokens += (3 + args.same_repeats) * (len(doc) + len(qs[0]))  # cold, 2 warm, the repeats
-        counters = fresh_counters(kv, stats, salts[0])
+        counters = fresh_counters(kv, salts[0])
         match = compare_outputs(rows, refs)
         local_hits = [x["ttft_ms"] for x in refs if x["phase"] == "local_hit"]
         doc_hits = [x["ttft_ms"] for x in refs if x["phase"] == "doc_hit"]
         # `vllm bench serve` as one more tenant, whose blocks nothing before has computed.
         serve_salt = dep.salt("initech", "carol")
-        kv_serve = [kvtier_serve_bench(args.vllm_python, kv, model, spec, serve_salt, work, stats)
+        kv_serve = [kvtier_serve_bench(args.vllm_python, kv, model, spec, serve_salt, work)
                     for spec in serve]
         base_serve = [run_serve_bench(args.vllm_python, base, model, spec, serve_salt,
                                       work / "serve-bench" / f"vllm-only-c{spec.concurrency}.json")
@@ -397,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
         _stop_group(kv.proc)
         _stop_group(base.proc)
 
-    sched, worker = counters["scheduler"], counters["worker"]
+    sched, worker = counters.get("scheduler", {}), counters.get("worker", {})
     same_hits = same_loaded * BLOCK_TOKENS
     cold_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "cold")
     warm_ms = statistics.median(x["ttft_ms"] for x in rows if x["phase"] == "warm")
@@ -596,28 +603,30 @@ def parse_serve_result(d: dict[str, Any]) -> dict[str, Any]:
             "input_tokens": d.get("total_input_tokens"), "duration_s": round(d["duration"], 2)}
 
 
-def fresh_counters(server: Server, stats: Path, salt: str) -> dict[str, dict[str, int]]:
-    """Every connector's counters as of now. The scheduler writes its stats file when a request
-    finishes, the worker at the end of a step, each at most every 0.2 s: after a pause, one short
-    request (no full block, so nothing to load or save) makes both write."""
+def fresh_counters(server: Server, salt: str) -> dict[str, dict[str, int]]:
+    """Every connector's counters as of now (``connector_counters``). vLLM takes the connector's
+    counts with each engine step, so what the worker counted between steps (its saver's) shows
+    only after the next one, and the tiers' error counts are taken at most every 0.25 s: after a
+    pause, one ``FLUSH_TOKENS`` request with a valid salt carries them, counting nothing itself."""
     time.sleep(0.3)
-    complete(server, [3] * 8, salt, max_tokens=1, logprobs=0)
-    time.sleep(0.1)
-    return {role: connector_counters(stats, role) for role in ("scheduler", "worker")}
+    complete(server, FLUSH_TOKENS, salt, max_tokens=1, logprobs=0)
+    time.sleep(0.1)  # vLLM's front end records a step's metrics just after answering its requests
+    return connector_counters(server)
 
 
 def _delta(before: dict[str, int], after: dict[str, int], key: str) -> int:
     return after.get(key, 0) - before.get(key, 0)
 
 
-def kvtier_serve_bench(python: str, server: Server, tokenizer: Path, spec: ServeBench, salt: str, work: Path,
-                       stats: Path) -> dict[str, Any]:
+def kvtier_serve_bench(python: str, server: Server, tokenizer: Path, spec: ServeBench, salt: str,
+                       work: Path) -> dict[str, Any]:
     """``run_serve_bench`` on the kvtier server, with what kvtier served during it (counter deltas)."""
-    before = fresh_counters(server, stats, salt)
+    before = fresh_counters(server, salt)
     res = run_serve_bench(python, server, tokenizer, spec, salt,
                           work / "serve-bench" / f"kvtier-c{spec.concurrency}.json")
-    after = fresh_counters(server, stats, salt)
-    sched, worker = (before["scheduler"], after["scheduler"]), (before["worker"], after["worker"])
+    after = fresh_counters(server, salt)
+    sched = (before.get("scheduler", {}), after.get("scheduler", {}))
+    worker = (before.get("worker", {}), after.get("worker", {}))
     rejected = sum(_delta(*sched, k) for k in ("salt_rejected", "source_unavailable", "lookup_refused"))
     return {**res, "kvtier_hit_tokens": _delta(*sched, "load_tokens"), "expected_hit_tokens": spec.expected_hit_tokens,
             "kvtier_loaded_blocks": _delta(*worker, "loaded_blocks"),
@@ -673,24 +682,46 @@ def _vllm_version(python: str) -> str:
     return "vllm"
 
 
-def connector_counters(prefix: Path, role: str) -> dict[str, int]:
-    """Summed counters of every connector process of ``role`` (scheduler, worker) that wrote to
-    ``kvtier.stats_file`` = ``prefix``."""
-    total: dict[str, int] = {}
-    for f in prefix.parent.glob(f"{prefix.name}.{role}.*.json"):
-        for k, v in json.loads(f.read_text()).items():
-            total[k] = total.get(k, 0) + v
-    return total
+def parse_connector_counters(text: str) -> dict[str, dict[str, int]]:
+    """The kvtier connector's counters in a Prometheus text exposition (``EVENTS_METRIC``),
+    ``{role: {event: n}}``, summed over vLLM's engines."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, int]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{EVENTS_METRIC}_total":
+                per_role = out.setdefault(sample.labels["role"], {})
+                event = sample.labels["event"]
+                per_role[event] = per_role.get(event, 0) + int(sample.value)
+    return out
 
 
-def wait_for_saves(prefix: Path, timeout_s: float = 60.0) -> None:
-    """Wait until the worker has stored what it was handed (its saves run off the step)."""
+def connector_counters(server: Server) -> dict[str, dict[str, int]]:
+    """The kvtier connector's counters as the server's metrics hold them (``GET /metrics``):
+    ``{role: {event: n}}``, every scheduler and worker summed per role. Counts reach the metrics
+    with engine steps: ``fresh_counters`` makes sure the last ones have."""
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError as exc:
+        raise TierUnavailable(f"vllm serve ({server.name}): GET /metrics failed: {exc}") from None
+    return parse_connector_counters(text)
+
+
+def wait_for_saves(server: Server, salt: str, timeout_s: float = 60.0) -> None:
+    """Wait until the kvtier server's workers have stored every block they were handed (they store
+    off the step; the next request must find them): ``FLUSH_TOKENS`` requests, each carrying the
+    counts made since the step before into the metrics, until the workers' ``save_jobs_stored``
+    caught up with their ``save_jobs_submitted``."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        files = list(prefix.parent.glob(f"{prefix.name}.worker.*.json"))
-        try:
-            if files and all(json.loads(f.read_text()).get("saves_pending", 0) == 0 for f in files):
-                return
-        except ValueError:
-            pass
+    while True:
+        complete(server, FLUSH_TOKENS, salt, max_tokens=1, logprobs=0)
+        worker = connector_counters(server).get("worker", {})
+        submitted, stored = worker.get("save_jobs_submitted", 0), worker.get("save_jobs_stored", 0)
+        if stored >= submitted:
+            return
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(f"vllm serve ({server.name}): its workers stored {stored} of the {submitted} save "
+                                   f"jobs they were handed in {timeout_s:.0f} s")
         time.sleep(0.05)

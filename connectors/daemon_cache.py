@@ -14,6 +14,7 @@ another process of the engine first (vLLM's scheduler looks up, its workers load
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from kvtier.security.domain_table import DomainTable
 from kvtier.security.policy import Principal
 from kvtier.store.layer_sink import LayerSink
 from kvtier.store.lookup import Lookup
+from kvtier.store.tiered_store import TransferObserver
 
 if TYPE_CHECKING:  # the client module needs grpc; an engine without a daemon never imports it
     from storage_backends.grpc import GrpcTier
@@ -43,8 +45,11 @@ class DaemonCache:
     """
 
     def __init__(self, client: GrpcTier, layouts: KVLayout | Sequence[KVLayout], table: DomainTable,
-                 principal: Principal) -> None:
+                 principal: Principal, *, observer: TransferObserver | None = None) -> None:
         self.client = client
+        #: Told the size and duration of every complete read that lies in one daemon tier, under
+        #: that tier's name as the lookup gives it (``daemon/memory``): a cost model.
+        self.observer = observer
         self.table = table
         self.principal = principal
         layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
@@ -97,7 +102,15 @@ class DaemonCache:
         self._check(principal)
         if not lookup.loadable:
             raise ScopeError("load_found: a lookup built without its keys cannot be loaded")
-        return self.client.load(lookup, start, end, sink=sink)
+        stop = min(lookup.length if end is None else end, lookup.length)
+        # One Get reads every run: its time is a tier's only when the range lies in one run.
+        runs = {r.tier for r in lookup.runs if r.start < stop and start < r.start + r.count}
+        t0 = time.perf_counter()
+        blocks = self.client.load(lookup, start, end, sink=sink)
+        if self.observer is not None and len(runs) == 1 and blocks and len(blocks) == stop - start:
+            self.observer.observe_transfer(runs.pop(), len(blocks), sum(b.nbytes for b in blocks),
+                                           time.perf_counter() - t0)
+        return blocks
 
     def load(self, principal: Principal, chain: Sequence[ChainBlock], n: int | None = None, *,
              lookup: Lookup | None = None, sink: LayerSink | None = None) -> list[Block]:
@@ -106,7 +119,7 @@ class DaemonCache:
         n = len(chain) if n is None else n
         if not 0 <= n <= len(chain):
             raise ValueError(f"load: n={n} outside [0, {len(chain)}]")
-        if lookup is None:
+        if lookup is None:  # which daemon tier served it is not reported: nothing to observe
             self._check(principal)
             return self.client.get_prefix([cb.key for cb in chain[:n]], sink=sink)
         if list(lookup.keys[: min(n, lookup.length)]) != [cb.key for cb in chain[: min(n, lookup.length)]]:
@@ -133,6 +146,11 @@ class DaemonCache:
 
     def record_request(self, input_tokens: int, hit_tokens: int) -> None:
         """Counted by the daemon per read; nothing is kept here."""
+
+    def traffic(self) -> list[dict[str, object]]:
+        """This client's counters, as one tier named after the daemon (the daemon's own tiers are
+        everyone's: an operator reads them through Stats)."""
+        return [self.client.metrics.snapshot()]
 
     def close(self) -> None:
         """Close the client (its channel, when it owns one)."""

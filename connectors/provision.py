@@ -47,6 +47,7 @@ from kvtier.security.domain_table import DomainTable
 from kvtier.security.policy import Principal
 from kvtier.security.salts import SaltMapper
 from kvtier.store.tier import Tier
+from kvtier.store.tiered_store import TransferObserver
 
 if TYPE_CHECKING:
     from storage_backends.grpc import GrpcTier, GrpcTierConfig
@@ -74,18 +75,23 @@ def _from_config(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
     return KVCache(backend.store, layout, backend.policy, CacheOptions(keyring=backend.keyring))
 
 
-def _from_factory(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
-    spec = str(cfg.get("factory", ""))
-    module, sep, attr = spec.partition(":")
+def load_function(spec: object, option: str) -> Callable[..., Any]:
+    """The function an option names as ``module:function`` (ConfigError naming the option)."""
+    module, sep, attr = str(spec).partition(":")
     if not sep or not module or not attr:
-        raise ConfigError(f"kvtier.factory: expected module:function, got {spec!r}")
+        raise ConfigError(f"{option}: expected module:function, got {spec!r}")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"kvtier.factory: cannot load {spec!r} ({exc})") from None
+        raise ConfigError(f"{option}: cannot load {spec!r} ({exc})") from None
     if not callable(fn):
-        raise ConfigError(f"kvtier.factory: {spec!r} is not a function")
-    cache = fn(cfg, layout)
+        raise ConfigError(f"{option}: {spec!r} is not a function")
+    return fn
+
+
+def _from_factory(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
+    spec = str(cfg.get("factory", ""))
+    cache = load_function(spec, "kvtier.factory")(cfg, layout)
     if not isinstance(cache, KVCache):
         raise ConfigError(f"kvtier.factory: {spec!r} returned {type(cache).__name__}, not a KVCache")
     return cache
@@ -114,15 +120,17 @@ def shared_cache(cfg: Mapping[str, Any], layout: KVLayout) -> KVCache:
         return cache
 
 
-def daemon_cache(tier_config: GrpcTierConfig, layout: KVLayout) -> DaemonCache:
+def daemon_cache(tier_config: GrpcTierConfig, layout: KVLayout, *,
+                 observer: TransferObserver | None = None) -> DaemonCache:
     """The node daemon's client for the principal of the token in ``tier_config``: keys use the
     scope domains the daemon hands out for that token (the server secret never leaves the
-    daemon), and the daemon decides every call. Pass ``cache.principal`` to every call."""
+    daemon), and the daemon decides every call. Pass ``cache.principal`` to every call.
+    ``observer`` (a cost model) is told the size and duration of every complete read."""
     from storage_backends.grpc import GrpcTier
 
     tier = GrpcTier(tier_config)
     table = tier.domains()
-    return DaemonCache(tier, layout, table, principal_of(table))
+    return DaemonCache(tier, layout, table, principal_of(table), observer=observer)
 
 
 @dataclass(slots=True, frozen=True)

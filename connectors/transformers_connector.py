@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.cache.kv_cache import RequestSegment
+from kvtier.cache.prefix_cache import PrefixCache
 from kvtier.engine.prefill import PrefillRunner, PrefillTiming
 from kvtier.errors import ConfigError
 from kvtier.keys import ChainBlock
@@ -85,7 +86,7 @@ class TransformersConnector:
     for it to learn tier speeds too, build the cache's store with it as ``observer``.
     """
 
-    def __init__(self, cache: KVCache, runner: PrefillRunner, *, save: bool = True,
+    def __init__(self, cache: PrefixCache, runner: PrefillRunner, *, save: bool = True,
                  planner: CostModel | None = None) -> None:
         if cache.layout(runner.layout) != runner.layout:
             raise ConfigError("the KVCache does not serve the runner's layout")

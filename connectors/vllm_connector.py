@@ -40,12 +40,8 @@ How vLLM's world maps onto kvtier:
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
-import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,9 +55,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connectors.block_saver import BlockSaver
-from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options
+from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options, load_function
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
 from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
+from connectors.vllm_stats import (
+    CounterDeltas,
+    KvtierConnectorStats,
+    KvtierPromMetrics,
+    TierErrorDeltas,
+    counter_key,
+)
 from kvtier.block import Block
 from kvtier.cache.kv_cache import RequestSegment
 from kvtier.dataplane.shared_pages import PagesNotShared
@@ -75,6 +78,7 @@ log = logging.getLogger("kvtier.connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -199,14 +203,7 @@ def planner_from(spec: object, layout: KVLayout) -> CostModel | None:
     """``kvtier.planner``: ``module:function``, called with the layout, returns a CostModel."""
     if not spec:
         return None
-    module, sep, attr = str(spec).partition(":")
-    if not sep or not module or not attr:
-        raise ConfigError(f"kvtier.planner: expected module:function, got {spec!r}")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"kvtier.planner: cannot load {spec!r} ({exc})") from None
-    planner = fn(layout)
+    planner = load_function(spec, "kvtier.planner")(layout)
     if not isinstance(planner, CostModel):
         raise ConfigError(f"kvtier.planner: {spec!r} returned {type(planner).__name__}, not a CostModel")
     return planner
@@ -252,7 +249,8 @@ class KvtierConnector(KVConnectorBase_V1):
     Invariants: the scheduler-side dicts (``_matched``, ``_loads_pending``, ``_tracked``) are
     touched only by vLLM's scheduler thread; the worker-side state is touched by the model
     runner's thread, except ``_load_thread`` results, which are published under ``_lock``.
-    Counters in ``stats`` only grow. The KVCache is shared by every instance in the process.
+    Counters in ``stats`` only grow; vLLM collects what grew through ``get_kv_connector_stats``
+    (``connectors.vllm_stats``). The KVCache is shared by every instance in the process.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -282,13 +280,20 @@ class KvtierConnector(KVConnectorBase_V1):
         self._progress = threading.Condition(self._lock)
         self._layers_copied = 0
         self._load_running = False
+        if "stats_file" in self.options:
+            raise ConfigError("kvtier.stats_file: the connector no longer writes stats files; its counters are in "
+                              "vLLM's own metrics (vllm:kvtier_connector_events_total on vllm serve's /metrics, "
+                              "LLM.get_metrics() offline, with stats logging on): remove the option")
+        #: This process's running totals. vLLM collects what grew (get_kv_connector_stats), keyed
+        #: ``<role>.<name>``: vLLM sums the scheduler's and the workers' into one set.
         self.stats: Counter[str] = Counter()
-        #: ``kvtier.stats_file``: each process publishes its counters to ``<path>.<role>.<pid>.json``
-        #: (vLLM's scheduler and workers live in different processes; this is how an operator, or a
-        #: test, sees every one of them).
-        self._stats_path = (f"{self.options['stats_file']}.{role.name.lower()}.{os.getpid()}.json"
-                            if self.options.get("stats_file") else None)
-        self._stats_written = 0.0
+        self._stats_role = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self._stats_deltas = CounterDeltas()
+        #: Jobs handed to the saver, as last reported (stored + pending: never reported lower).
+        self._save_jobs_submitted = 0
+        # The source is the process's, whose tiers both roles share when they share a process:
+        # an in-process source is built per connector around the process's one KVCache.
+        self._tier_errors = TierErrorDeltas(getattr(self.source, "cache", self.source), self.source.errors)
         # scheduler side
         self._matched: dict[str, _Match] = {}
         self._loads_pending: list[BlockJob] = []
@@ -315,8 +320,7 @@ class KvtierConnector(KVConnectorBase_V1):
         max_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
         #: Pages one step can save per layer: the staging the transfer engine preallocates.
         self._max_step_pages = -(-max_tokens // self.layout.block_tokens) + 1
-        self._saver = BlockSaver(self._save_job, self._lock, self.stats,
-                                 on_done=lambda: self.publish_stats(force=True))
+        self._saver = BlockSaver(self._save_job, self._lock, self.stats, on_done=self._save_stored)
 
     # =============================================================================================
     # Scheduler side
@@ -436,7 +440,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
         out: dict[Any, int] = {}
         for tier, n in by_tier.items():
-            source = CacheHitSource(TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED.value))
+            # A daemon's tiers come as ``daemon/<its tier>``: the kind is the daemon's tier's.
+            kind = tier.rsplit("/", 1)[-1]
+            source = CacheHitSource(TIER_SOURCES.get(kind, CacheHitSource.EXTERNAL_UNSPECIFIED.value))
             out[source] = out.get(source, 0) + n
         if sum(out.values()) != num_external_tokens:  # vLLM loaded another count than planned
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
@@ -448,7 +454,6 @@ class KvtierConnector(KVConnectorBase_V1):
         self._hit_sources.pop(request.request_id, None)
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        self.publish_stats()
         return False, None
 
     # =============================================================================================
@@ -646,7 +651,6 @@ class KvtierConnector(KVConnectorBase_V1):
             # The pages are in host staging once their events have fired: vLLM may reuse the
             # blocks after this returns, and storing them happens off the step, on the saver.
             self._saver.submit(job, self._paged.blocks([g for g in per_layer if g is not None]))
-        self.publish_stats()
 
     def flush_saves(self) -> None:
         """Wait until every block handed to the saver has been stored (tests, shutdown)."""
@@ -720,22 +724,46 @@ class KvtierConnector(KVConnectorBase_V1):
         self._saver.close()
         if self._paged is not None:
             self._paged.close()
-        self.publish_stats(force=True)
 
-    def publish_stats(self, *, force: bool = False) -> None:
-        """Write this process's counters to its stats file (whole file or nothing; at most every
-        0.2 s unless forced)."""
-        if self._stats_path is None or (not force and time.monotonic() - self._stats_written < 0.2):
-            return
-        self._stats_written = time.monotonic()
-        tmp = f"{self._stats_path}.tmp"
+    # =============================================================================================
+    # Statistics: vLLM's KV-connector stats interface (connectors/vllm_stats.py)
+    # =============================================================================================
+    def _save_stored(self) -> None:
+        """The saver stored (or gave up on) one job: counted, so the backlog is
+        ``save_jobs_submitted - save_jobs_stored``."""
         with self._lock:
-            counters = dict(self.stats)
-        counters["saves_pending"] = self._saver.pending
-        counters.update({f"tier_error:{cause}": n for cause, n in self.source.errors().items()})
-        with open(tmp, "w") as f:
-            json.dump(counters, f)
-        os.replace(tmp, self._stats_path)
+            self.stats["save_jobs_stored"] += 1
+
+    def _totals(self) -> dict[str, int]:
+        """This process's running totals, keyed ``<role>.<name>``."""
+        with self._lock:
+            totals = dict(self.stats)
+        # Read after the stats: a job that finished in between is then in neither, never in both,
+        # so the sum never counts a job twice (a job in neither is counted by a later call).
+        pending = self._saver.pending
+        self._save_jobs_submitted = max(self._save_jobs_submitted, totals.get("save_jobs_stored", 0) + pending)
+        if self._save_jobs_submitted:
+            totals["save_jobs_submitted"] = self._save_jobs_submitted
+        return {counter_key(self._stats_role, k): v for k, v in totals.items()}
+
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        """What this process's counters (and its tiers' error counts, ``tier_error:<cause>``) grew
+        by since the last call; None when nothing did. Asked by vLLM's scheduler after each of its
+        steps (scheduler role) and by the model runner at the end of each step (worker role)."""
+        delta = self._stats_deltas.take(self._totals())
+        for cause, n in self._tier_errors.take().items():
+            key = counter_key(self._stats_role, f"tier_error:{cause}")
+            delta[key] = delta.get(key, 0) + n
+        return KvtierConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 __all__ = ["BlockJob", "KvtierConnector", "KvtierConnectorMetadata", "layout_from_vllm"]

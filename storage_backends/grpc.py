@@ -275,7 +275,9 @@ class GrpcTier(Tier):
             if self._degrade(exc):
                 return Lookup.miss(len(keys))
             raise
-        runs = tuple(TierRun(r.level, r.tier, r.start, r.count) for r in resp.runs)
+        # Named ``<this tier>/<the daemon's tier>`` (``daemon/memory``): where the block is, as the
+        # engine sees it (a cost model prices a read from the daemon's RAM, not from its own).
+        runs = tuple(TierRun(r.level, f"{self.name}/{r.tier}", r.start, r.count) for r in resp.runs)
         return Lookup(runs, len(keys), tuple(keys[: resp.length]), bytes(resp.ticket))
 
     def load(self, lookup: Lookup, start: int = 0, end: int | None = None, *,
@@ -332,9 +334,7 @@ class GrpcTier(Tier):
                     out = [None] * len(keys)
         link = self._link()
         share = None if link is None else link.slices.take(
-            sum(o.nbytes for o in outs) if outs is not None
-            else min(len(keys) * link.typical_block_bytes, link.nbytes // 2) if link.typical_block_bytes
-            else link.nbytes // 4)
+            sum(o.nbytes for o in outs) if outs is not None else link.read_bytes(len(keys)))
         # Without destinations, blocks are handed out as views of the region (no copy): the slice
         # then stays taken until the call has ended and the last of those blocks is gone.
         lease = None if share is None else SliceLease(link.slices, share)
@@ -349,7 +349,7 @@ class GrpcTier(Tier):
             if lease is not None:
                 lease.drop()
         if link is not None and any(b is not None for b in out):
-            link.typical_block_bytes = max(b.nbytes for b in out if b is not None)
+            link.note_block_bytes(max(b.nbytes for b in out if b is not None))
         return self._counted(out, t0)
 
     def _counted(self, out: list[Block | None], t0: float) -> list[Block | None]:
@@ -377,8 +377,8 @@ class GrpcTier(Tier):
         if found is not None:
             lookup, request.found_start = found
             request.found_keys.extend(lookup.keys)
-            request.found_runs.extend(pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count)
-                                      for r in lookup.runs)
+            request.found_runs.extend(pb.TierRun(tier=r.tier.removeprefix(f"{self.name}/"), level=r.level,
+                                                 start=r.start, count=r.count) for r in lookup.runs)
             request.ticket = lookup.ticket
         window = adopt = take = None
         layered: LayerMajorShare | PlacedShare | None = None

@@ -79,7 +79,7 @@ def test_the_same_prompt_costs_one_tier_walk_in_the_daemon(plain) -> None:
         alice.save(p, chain[:5], data)
         walks = daemon.store.requests.walks
         lookup = alice.lookup(p, chain)
-        assert lookup.length == 5 and lookup.ticket and [r.tier for r in lookup.runs] == ["memory"]
+        assert lookup.length == 5 and lookup.ticket and [r.tier for r in lookup.runs] == ["daemon/memory"]
         blocks = alice.load_found(p, lookup)
         assert [b.key for b in blocks] == [c.key for c in chain[:5]]
         assert all(torch.equal(b.data, d) for b, d in zip(blocks, data, strict=True))
@@ -106,7 +106,7 @@ def test_a_stale_or_forged_ticket_costs_a_walk_never_a_blind_read(plain) -> None
         lookup = alice.lookup(p, chain)
         stale = counted(daemon, "lookup_ticket_stale")
         for bad in (replace(lookup, ticket=b""), replace(lookup, ticket=bytes(len(lookup.ticket))),
-                    replace(lookup, runs=(TierRun(0, "memory", 0, 2), TierRun(0, "memory", 2, 1)))):
+                    replace(lookup, runs=(TierRun(0, "daemon/memory", 0, 2), TierRun(0, "daemon/memory", 2, 1)))):
             walks = daemon.store.requests.walks
             assert [b.key for b in alice.load_found(p, bad)] == [c.key for c in chain]
             assert daemon.store.requests.walks == walks + 1, "looked up again, not read on the client's word"

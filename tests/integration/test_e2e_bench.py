@@ -121,4 +121,4 @@ def test_scenario_through_a_daemon_process(tmp_path: Path) -> None:
                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["identical_outputs"] is True
-    assert all(r["loaded_tokens_by_tier"] == {"daemon": 192} for r in data["requests"] if r["phase"] == "warm")
+    assert all(r["loaded_tokens_by_tier"] == {"daemon/memory": 192} for r in data["requests"] if r["phase"] == "warm")

@@ -28,6 +28,7 @@ import pytest
 
 from benchmarks.vllm_bench import (
     BLOCK_TOKENS,
+    EVENTS_METRIC,
     ServeBench,
     Server,
     add_arguments,
@@ -47,18 +48,16 @@ COLD_S, HIT_S = 0.25, 0.03
 
 class RecordingServer:
     """Enough of vLLM's OpenAI server for `vllm bench serve`: /tokenize, /detokenize (the
-    word-level tokenizer of ``write_model``) and streamed /v1/completions. Per salt, a prompt's
-    leading full blocks already seen are "hits": answered after HIT_S instead of COLD_S, and
-    counted into ``<stats>.scheduler.1.json`` (load_tokens) and ``<stats>.worker.2.json``
-    (loaded_blocks) as the connector counts them."""
+    word-level tokenizer of ``write_model``), streamed /v1/completions and /metrics. Per salt, a
+    prompt's leading full blocks already seen are "hits": answered after HIT_S instead of COLD_S,
+    and counted into the connector's counter family on /metrics (scheduler load_tokens, worker
+    loaded_blocks) as vLLM exposes the connector's counts."""
 
-    def __init__(self, stats: Path) -> None:
-        self.stats = stats
+    def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.seen: dict[str, set[tuple[int, ...]]] = {}
         self.counters = {"scheduler": {"load_tokens": 0, "load_jobs": 0}, "worker": {"loaded_blocks": 0}}
         self.lock = threading.Lock()
-        self._write()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -71,6 +70,17 @@ class RecordingServer:
                 data = json.dumps(obj).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path != "/metrics":
+                    self.send_error(404)
+                    return
+                data = outer.metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -94,9 +104,16 @@ class RecordingServer:
         special = {"<unk>": 0, "<s>": 1, "</s>": 2}
         return list(prompt) if isinstance(prompt, list) else [special.get(w) or int(w[1:]) for w in prompt.split()]
 
-    def _write(self) -> None:
-        for role, pid in (("scheduler", 1), ("worker", 2)):
-            Path(f"{self.stats}.{role}.{pid}.json").write_text(json.dumps(self.counters[role]))
+    def metrics(self) -> str:
+        """The counters as vLLM's /metrics exposes the connector's (``EVENTS_METRIC``)."""
+        lines = [f"# TYPE {EVENTS_METRIC} counter"]
+        with self.lock:
+            for role, counts in self.counters.items():
+                for event, n in counts.items():
+                    if n:
+                        lines.append(f'{EVENTS_METRIC}_total{{engine="0",event="{event}",model_name="m",'
+                                     f'role="{role}"}} {float(n)}')
+        return "\n".join(lines) + "\n"
 
     def complete(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
         tokens = self.ids(body["prompt"])
@@ -113,7 +130,6 @@ class RecordingServer:
                 self.counters["scheduler"]["load_tokens"] += hit * BLOCK_TOKENS
                 self.counters["scheduler"]["load_jobs"] += 1
                 self.counters["worker"]["loaded_blocks"] += hit
-            self._write()
         time.sleep(HIT_S if hit or n_blocks == 0 else COLD_S)
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
@@ -133,7 +149,7 @@ class RecordingServer:
 
 @pytest.fixture
 def recording(tmp_path: Path) -> Iterator[RecordingServer]:
-    srv = RecordingServer(tmp_path / "stats")
+    srv = RecordingServer()
     t = threading.Thread(target=srv.httpd.serve_forever, daemon=True)
     t.start()
     yield srv
@@ -185,7 +201,7 @@ def test_vllm_bench_serve_runs_the_prefix_sharing_dataset_with_the_salt(recordin
     salt = "a-tenant-salt"
     server = Server(proc=None, url=recording.url)  # type: ignore[arg-type]
 
-    kv = kvtier_serve_bench(str(VLLM_PYTHON), server, model, spec, salt, tmp_path, recording.stats)
+    kv = kvtier_serve_bench(str(VLLM_PYTHON), server, model, spec, salt, tmp_path)
 
     # Two flushes of the connector's counters (8 tokens as ids) around the client's 5 prompts (text).
     bench = [r for r in recording.requests if isinstance(r["prompt"], str)]

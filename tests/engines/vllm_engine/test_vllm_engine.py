@@ -21,6 +21,10 @@ by recomputing, failures counted, the engine lives; (f) with vLLM's own prefix c
 and kvtier's hits add up; (g) the control: KV of another document stored under a prompt's keys is
 loaded, and the comparison fails, as it must; (h) records damaged on disk are refused, the request
 is served with the right output by recomputing, the blocks are saved again and hit next time.
+
+The connector's counters are read from vLLM's own metrics (``vllm:kvtier_connector_events_total``,
+which the driver prints from ``LLM.get_metrics()`` after each request and at the end), as an
+operator reads them: ``{role: {event: n}}``.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import pytest
 import torch
 
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, compare
-from benchmarks.vllm_bench import connector_counters, llama_layout, publish, write_model
+from benchmarks.vllm_bench import llama_layout, publish, write_model
 from kvtier.engine.models import model_spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -73,6 +77,10 @@ def llama_dir(root: Path) -> Path:
 
 def layout() -> Any:
     return llama_layout(MODEL, MODEL_ID)
+
+
+#: The connector's counters as vLLM's metrics hold them: ``{role: {event: n}}``.
+Counters = dict[str, dict[str, int]]
 
 
 def output(r: dict[str, Any]) -> Generation:
@@ -145,18 +153,20 @@ class Daemon:
     def tier_hits(self) -> dict[str, int]:
         return {name: int(t.hits) for name, t in self.tier_stats().items()}
 
-    def options(self, stats: Path, **extra: Any) -> dict[str, Any]:
+    def options(self, **extra: Any) -> dict[str, Any]:
         return {"kvtier.cache": "daemon", "kvtier.daemon": self.address,
                 "kvtier.daemon_token_file": str(self.engine_token), "kvtier.model_id": MODEL_ID,
-                "kvtier.stats_file": str(stats), **{f"kvtier.{k}": v for k, v in extra.items()}}
+                **{f"kvtier.{k}": v for k, v in extra.items()}}
 
 
 def _spec(root: Path, name: str, requests: list[dict[str, Any]], kvtier: dict[str, Any] | None,
           prefix_caching: bool = False) -> Path:
     spec = root / f"{name}.json"
+    # The driver's flush requests carry the first request's salt: the engine has resolved it by
+    # then, so they count nothing (every run here starts with a valid salt).
     spec.write_text(json.dumps({"model": str(llama_dir(root)), "dtype": MODEL.dtype, "requests": requests,
                                 "kvtier": kvtier, "prefix_caching": prefix_caching, "max_tokens": OUTPUT_TOKENS,
-                                "logprobs": TOP_LOGPROBS}))
+                                "logprobs": TOP_LOGPROBS, "flush_salt": requests[0].get("salt")}))
     return spec
 
 
@@ -171,15 +181,20 @@ def _results(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
 
 
+def _done(out: list[dict[str, Any]]) -> bool:
+    return bool(out) and out[-1].get("done") is True
+
+
 def run_engine(root: Path, name: str, requests: list[dict[str, Any]], *, kvtier: dict[str, Any] | None,
-               prefix_caching: bool = False) -> list[dict[str, Any]]:
-    """One engine process over ``requests``; the results of each request, in order."""
+               prefix_caching: bool = False) -> tuple[list[dict[str, Any]], Counters]:
+    """One engine process over ``requests``; the results of each request, in order, and the
+    connector's counters at the end (empty without kvtier)."""
     spec = _spec(root, name, requests, kvtier, prefix_caching)
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("driver.py")), str(spec)], cwd=ROOT,
                           env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=400)
     out = _results(proc.stdout)
-    assert proc.returncode == 0 and out and out[-1] == {"done": True}, (proc.stdout + proc.stderr)[-4000:]
-    return out[:-1]
+    assert proc.returncode == 0 and _done(out), (proc.stdout + proc.stderr)[-4000:]
+    return out[:-1], out[-1].get("counters", {})
 
 
 def start_engine(root: Path, name: str, requests: list[dict[str, Any]],
@@ -216,11 +231,11 @@ def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float = 40
         time.sleep(0.2)
 
 
-def finish(proc: subprocess.Popen[str]) -> list[dict[str, Any]]:
+def finish(proc: subprocess.Popen[str]) -> tuple[list[dict[str, Any]], Counters]:
     out, _ = proc.communicate(timeout=400)
     res = _results(out)
-    assert proc.returncode == 0 and res and res[-1] == {"done": True}, out[-3000:]
-    return res[:-1]
+    assert proc.returncode == 0 and _done(res), out[-3000:]
+    return res[:-1], res[-1].get("counters", {})
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +245,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Daem
     # The outputs of an engine without kvtier (and without prefix caching): what it computes itself,
     # the reference every run is judged against.
     prompts = {"P": P, "alice_doc": DOC + Q_ALICE, "bob_doc": DOC + Q_BOB, "X": X, "other_doc": OTHER_DOC + Q_ALICE}
-    base = run_engine(root, "baseline", [{"tokens": t} for t in prompts.values()], kvtier=None)
+    base, _ = run_engine(root, "baseline", [{"tokens": t} for t in prompts.values()], kvtier=None)
     yield root, daemon, {k: output(r) for k, r in zip(prompts, base, strict=True)}
     daemon.stop()
 
@@ -254,17 +269,16 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     dep = daemon.dep
     alice, bob = dep.salt("acme", "alice"), dep.salt("globex", "bob")
     forged = "kvs2:acme:alice:" + "0" * 32
-    st = root / "run-a"
     reqs = [{"tokens": P, "salt": alice}, {"tokens": P, "salt": alice}, {"tokens": P, "salt": alice},
             {"tokens": P, "salt": bob}, {"tokens": P, "salt": forged}, {"tokens": P},
             {"tokens": DOC + Q_ALICE, "salt": alice}]
-    res = run_engine(root, "run-a", reqs, kvtier=daemon.options(st, scope_rule="public-registry"))
+    res, counters = run_engine(root, "run-a", reqs, kvtier=daemon.options(scope_rule="public-registry"))
     assert [r["num_cached_tokens"] for r in res[:3]] == [0, FULL, FULL]  # (a) >= 90 %: all 9 full blocks
     for i, r in enumerate(res[:6]):
         same_output(want["P"], r, f"request {i}")
     assert res[3]["num_cached_tokens"] == 0, "(c) bob gets nothing of alice's private prefix"
     assert res[4]["num_cached_tokens"] == 0 and res[5]["num_cached_tokens"] == 0  # (d)
-    sched, worker = connector_counters(st, "scheduler"), connector_counters(st, "worker")
+    sched, worker = counters["scheduler"], counters["worker"]
     assert sched["load_tokens"] == 2 * FULL and worker["loaded_blocks"] == 2 * FULL // BT
     # Through the daemon's shared memory, layer by layer into the pages (the outputs above are
     # the engine's own with the forward pass starting on layer 0 while later layers were still
@@ -273,16 +287,17 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     assert worker["pages_shared"] == 1 and worker["loaded_in_place"] == 2 * FULL // BT
     assert sched["salt_rejected"] >= 1, "the forged salt is refused (by the daemon) and counted"
     assert sched["no_salt"] == 1, "the request without a salt is counted"
-    assert worker["load_failed_blocks"] == 0 and worker["saved_blocks"] >= FULL // BT
+    assert worker.get("load_failed_blocks", 0) == 0 and worker["saved_blocks"] >= FULL // BT
+    assert worker["save_jobs_stored"] == worker["save_jobs_submitted"] > 0
 
     # (c) publish the document: an operator-side publisher copies alice's computed blocks of it into
     # the public scope through the daemon (the engine never writes a public block itself).
     publish_document(daemon, alice)
-    st2 = root / "run-c"
-    res2 = run_engine(root, "run-c", [{"tokens": DOC + Q_BOB, "salt": bob}, {"tokens": DOC + Q_ALICE, "salt": alice}],
-                      kvtier=daemon.options(st2, scope_rule="public-registry"))
+    res2, counters2 = run_engine(root, "run-c", [{"tokens": DOC + Q_BOB, "salt": bob},
+                                                 {"tokens": DOC + Q_ALICE, "salt": alice}],
+                                 kvtier=daemon.options(scope_rule="public-registry"))
     assert res2[0]["num_cached_tokens"] >= len(DOC), "bob reuses the public document"
-    assert connector_counters(st2, "worker")["loaded_blocks"] >= 2 * len(DOC) // BT
+    assert counters2["worker"]["loaded_blocks"] >= 2 * len(DOC) // BT
     same_output(want["bob_doc"], res2[0], "bob on the public document")
     same_output(want["alice_doc"], res2[1], "alice on the public document")
 
@@ -296,20 +311,19 @@ def test_fresh_engines_hit_the_daemon_and_lmdb_after_a_daemon_restart(world) -> 
     """(b), then (f): vLLM's prefix caching on, local hits and kvtier's add up."""
     root, daemon, want = world
     alice = daemon.dep.salt("acme", "alice")
-    run_engine(root, "run-b0", [{"tokens": P, "salt": alice}], kvtier=daemon.options(root / "run-b0"))
+    run_engine(root, "run-b0", [{"tokens": P, "salt": alice}], kvtier=daemon.options())
     # This engine keeps its pages private: the load lands in the channel's region and is copied.
-    res = run_engine(root, "run-b1", [{"tokens": P, "salt": alice}],
-                     kvtier=daemon.options(root / "run-b1", shared_pages=False))
+    res, counters = run_engine(root, "run-b1", [{"tokens": P, "salt": alice}],
+                               kvtier=daemon.options(shared_pages=False))
     assert res[0]["num_cached_tokens"] == FULL, "(b) a fresh engine hits"
     same_output(want["P"], res[0], "(b) a fresh engine")
-    worker = connector_counters(root / "run-b1", "worker")
+    worker = counters["worker"]
     assert worker["loaded_by_layer"] == FULL // BT and "loaded_in_place" not in worker and "pages_shared" not in worker
     daemon.stop()
     daemon.start()  # RAM is gone; LMDB keeps the blocks
     before = daemon.tier_hits()
-    st = root / "run-f"
-    res = run_engine(root, "run-f", [{"tokens": X, "salt": alice}, {"tokens": P, "salt": alice}],
-                     kvtier=daemon.options(st), prefix_caching=True)
+    res, counters = run_engine(root, "run-f", [{"tokens": X, "salt": alice}, {"tokens": P, "salt": alice}],
+                               kvtier=daemon.options(), prefix_caching=True)
     after = daemon.tier_hits()
     assert after["lmdb"] > before.get("lmdb", 0), "(b) after the restart the hits come from LMDB"
     assert res[0]["num_cached_tokens"] == 4 * BT
@@ -317,8 +331,8 @@ def test_fresh_engines_hit_the_daemon_and_lmdb_after_a_daemon_restart(world) -> 
     # P: its first 4 blocks are in vLLM's own cache now (X computed them); kvtier adds the other 5.
     assert res[1]["num_cached_tokens"] == FULL
     same_output(want["P"], res[1], "(f) P from vLLM's cache and kvtier")
-    assert connector_counters(st, "scheduler")["load_tokens"] == 4 * BT + (FULL - 4 * BT), "(f) local + kvtier = cached"
-    assert connector_counters(st, "worker")["loaded_blocks"] == FULL // BT
+    assert counters["scheduler"]["load_tokens"] == 4 * BT + (FULL - 4 * BT), "(f) local + kvtier = cached"
+    assert counters["worker"]["loaded_blocks"] == FULL // BT
 
 
 def test_a_daemon_killed_mid_run_means_recompute_not_a_crash(world) -> None:
@@ -328,21 +342,20 @@ def test_a_daemon_killed_mid_run_means_recompute_not_a_crash(world) -> None:
     if daemon.proc is None or daemon.proc.poll() is not None:
         daemon.start()
     killed, go = root / "e-first-done", root / "e-go"
-    st = root / "run-e"
     reqs = [{"tokens": P, "salt": alice, "after": str(killed)},
             {"tokens": P, "salt": alice, "before": str(go)},
             {"tokens": [*X, 5, 6, 7], "salt": alice}]
-    proc = start_engine(root, "run-e", reqs, daemon.options(st, daemon_timeout_s=3))
+    proc = start_engine(root, "run-e", reqs, daemon.options(daemon_timeout_s=3))
     with killed_on_failure(proc):
         wait_for_file(killed, proc)
         daemon.kill()
         go.touch()
-        res = finish(proc)
+        res, counters = finish(proc)
     assert res[0]["num_cached_tokens"] == FULL
     assert res[1]["num_cached_tokens"] == 0
     same_output(want["P"], res[1], "recomputed with the daemon gone")
     assert len(res[2]["token_ids"]) == OUTPUT_TOKENS, "the engine keeps serving"
-    sched = connector_counters(st, "scheduler")
+    sched = counters["scheduler"]
     assert sched.get("tier_error:unavailable", 0) + sched.get("tier_error:timeout", 0) >= 1, sched
     daemon.start()
 
@@ -361,22 +374,22 @@ def disk_run(tmp_path_factory: pytest.TempPathFactory, world) -> Iterator[dict[s
     daemon = Daemon(root, memory_bytes=None).start()
     try:
         carol, mallory = daemon.dep.salt("initech", "carol"), daemon.dep.salt("umbrella", "mallory")
-        saved, go, st = root / "saved", root / "go", root / "run-g"
+        saved, go = root / "saved", root / "go"
         reqs = [{"tokens": P, "salt": carol}, {"tokens": W, "salt": mallory, "after": str(saved)},
                 {"tokens": P, "salt": mallory, "before": str(go)},
                 {"tokens": P, "salt": carol}, {"tokens": P, "salt": carol}]
-        proc = start_engine(root, "run-g", reqs, daemon.options(st))
+        proc = start_engine(root, "run-g", reqs, daemon.options())
         with killed_on_failure(proc):
             wait_for_file(saved, proc)
             planted = plant_wrong_kv(daemon, mallory, source=W, target=P)
-            counters_before = {role: connector_counters(st, role) for role in ("scheduler", "worker")}
             daemon_before = daemon.tier_stats()["lmdb"]
             damaged = damage_records(daemon, carol, P)
             go.touch()
-            res = finish(proc)
+            res, counters_after = finish(proc)
+        # Before: the counters the driver read once mallory's W was saved (the engine then waited).
         yield {"want": world[2]["P"], "res": res, "planted": planted, "damaged": damaged,
-               "before": counters_before, "daemon_before": daemon_before, "daemon_after": daemon.tier_stats()["lmdb"],
-               "after": {role: connector_counters(st, role) for role in ("scheduler", "worker")}}
+               "before": res[1]["counters"], "daemon_before": daemon_before,
+               "daemon_after": daemon.tier_stats()["lmdb"], "after": counters_after}
     finally:
         daemon.stop()
 
@@ -460,7 +473,7 @@ def test_damaged_records_are_recomputed_and_saved_again(disk_run) -> None:
     served, again = res[3], res[4]
     same_output(want, served, "served while its records were damaged")
     same_output(want, again, "served from the records saved again")
-    delta = {role: {k: after[role].get(k, 0) - before[role].get(k, 0) for k in after[role]} for role in after}
+    delta = {role: {k: after[role].get(k, 0) - before.get(role, {}).get(k, 0) for k in after[role]} for role in after}
     assert delta["worker"]["load_failed_blocks"] == FULL // BT, delta
     assert delta["scheduler"]["resave_blocks"] == FULL // BT, delta
     assert delta["worker"]["saved_blocks"] >= FULL // BT, "the recomputed blocks are saved again"
