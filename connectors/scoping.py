@@ -29,7 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.cache.kv_cache import RequestSegment
+from kvtier.cache.prefix_cache import PrefixCache
 from kvtier.errors import AccessDenied, ConfigError
 from kvtier.keys import BlockKey, ChainBlock, ScopeKind
 from kvtier.layout import KVLayout
@@ -52,6 +53,16 @@ class ScopedPrompt:
                 RequestSegment(self.tokens[cut:], self.private_kind)]
 
 
+@dataclass(slots=True, frozen=True)
+class ScopedLookup:
+    """What a scheduler asks per request: the prompt's scopes, its chain (every block the lookup
+    asked about, keys derived once) and what the lookup found."""
+
+    prompt: ScopedPrompt
+    chain: tuple[ChainBlock, ...]
+    lookup: Lookup
+
+
 class ScopeRule(ABC):
     """Splits an engine request into public and private parts (see module docstring)."""
 
@@ -63,21 +74,20 @@ class ScopeRule(ABC):
         self.private_kind = private_kind
 
     @abstractmethod
-    def scope(self, cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
+    def scope(self, cache: PrefixCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
         """Scopes of the first ``n_blocks`` full blocks of ``tokens``."""
 
-    def scoped_lookup(self, cache: KVCache, principal: Principal, tokens: Sequence[int],
-                      n_blocks: int) -> tuple[ScopedPrompt, Lookup]:
+    def scoped_lookup(self, cache: PrefixCache, principal: Principal, tokens: Sequence[int],
+                      n_blocks: int) -> ScopedLookup:
         """``scope``, then the lookup of the keys it gives (``scoped_chain``): what an engine's
         scheduler asks per request."""
-        prompt = self.scope(cache, principal, tokens, n_blocks)
-        return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
+        return _looked_up(cache, principal, self.scope(cache, principal, tokens, n_blocks), n_blocks)
 
 
 class PrivateRule(ScopeRule):
     name = "private"
 
-    def scope(self, cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
+    def scope(self, cache: PrefixCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
         return ScopedPrompt(tuple(tokens), 0, self.private_kind)
 
 
@@ -102,28 +112,27 @@ class PublicRegistryRule(ScopeRule):
         self._known: OrderedDict[BlockKey, tuple[int, BlockKey]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def scope(self, cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
+    def scope(self, cache: PrefixCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> ScopedPrompt:
         public = self._public_chain(cache, principal, tokens, n_blocks)
         published = cache.lookup(principal, public).length if public else 0
         return ScopedPrompt(tuple(tokens), published, self.private_kind)
 
-    def scoped_lookup(self, cache: KVCache, principal: Principal, tokens: Sequence[int],
-                      n_blocks: int) -> tuple[ScopedPrompt, Lookup]:
+    def scoped_lookup(self, cache: PrefixCache, principal: Principal, tokens: Sequence[int],
+                      n_blocks: int) -> ScopedLookup:
         public = self._public_chain(cache, principal, tokens, n_blocks)
         if not public:
-            prompt = ScopedPrompt(tuple(tokens), 0, self.private_kind)
-            return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks))
-        guessed: tuple[ScopedPrompt, Lookup] | None = None
+            return _looked_up(cache, principal, ScopedPrompt(tuple(tokens), 0, self.private_kind), n_blocks)
+        guessed: ScopedLookup | None = None
         with self._lock:
             known = self._known.get(public[0].key)
             if known is not None:
                 self._known.move_to_end(public[0].key)
         if known is not None and known[0] <= len(public) and public[known[0] - 1].key == known[1]:
             prompt = ScopedPrompt(tuple(tokens), known[0], self.private_kind)
-            lookup = cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks, public))
-            if lookup.length != known[0] or known[0] == n_blocks:
-                return prompt, lookup
-            guessed = prompt, lookup
+            found = _looked_up(cache, principal, prompt, n_blocks, public)
+            if found.lookup.length != known[0] or known[0] == n_blocks:
+                return found
+            guessed = found
         published = cache.lookup(principal, public).length
         with self._lock:
             if published:
@@ -133,13 +142,14 @@ class PublicRegistryRule(ScopeRule):
                     self._known.popitem(last=False)
             else:
                 self._known.pop(public[0].key, None)
-        if guessed is not None and guessed[0].public_blocks == published:
+        if guessed is not None and guessed.prompt.public_blocks == published:
             return guessed  # the registry agrees with the guess: its lookup stands
-        prompt = ScopedPrompt(tuple(tokens), published, self.private_kind)
-        return prompt, cache.lookup(principal, scoped_chain(cache, principal, prompt, n_blocks, public))
+        return _looked_up(cache, principal, ScopedPrompt(tuple(tokens), published, self.private_kind), n_blocks,
+                          public)
 
     @staticmethod
-    def _public_chain(cache: KVCache, principal: Principal, tokens: Sequence[int], n_blocks: int) -> list[ChainBlock]:
+    def _public_chain(cache: PrefixCache, principal: Principal, tokens: Sequence[int],
+                      n_blocks: int) -> list[ChainBlock]:
         head = tuple(tokens[: n_blocks * cache.layout().block_tokens])
         return cache.chain(principal, [RequestSegment(head, ScopeKind.PUBLIC)]) if head else []
 
@@ -161,7 +171,13 @@ def scope_rule(name: str, private_kind: str = "user") -> ScopeRule:
         raise ConfigError(f"kvtier.scope_rule: unknown {name!r}; one of {sorted(SCOPE_RULES)}") from None
 
 
-def scoped_chain(cache: KVCache, principal: Principal, prompt: ScopedPrompt, n_blocks: int,
+def _looked_up(cache: PrefixCache, principal: Principal, prompt: ScopedPrompt, n_blocks: int,
+               public: Sequence[ChainBlock] = ()) -> ScopedLookup:
+    chain = scoped_chain(cache, principal, prompt, n_blocks, public)
+    return ScopedLookup(prompt, tuple(chain), cache.lookup(principal, chain))
+
+
+def scoped_chain(cache: PrefixCache, principal: Principal, prompt: ScopedPrompt, n_blocks: int,
                  public: Sequence[ChainBlock] = ()) -> list[ChainBlock]:
     """Keys of the first ``n_blocks`` blocks; empty when the principal has no scope of the private kind
     (a token minted for public reads only, say), so such a request is simply not cached.

@@ -69,7 +69,7 @@ from kvtier.block import Block
 from kvtier.cache.kv_cache import RequestSegment
 from kvtier.dataplane.shared_pages import PagesNotShared
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, Overloaded, TierUnavailable
-from kvtier.keys import ChainBlock
+from kvtier.keys import ChainBlock, ScopeKind
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.planning.cost_model import CostModel
 from kvtier.store.lookup import Lookup
@@ -108,6 +108,9 @@ class BlockJob:
     block_ids: tuple[int, ...]
     found: Lookup | None = None
     layout_fp: bytes = b""
+    #: A save: the chain block before ``start`` as the scheduler derived it (under ``layout_fp``),
+    #: so the worker derives only the blocks it saves.
+    after: ChainBlock | None = None
 
 
 @dataclass
@@ -130,6 +133,7 @@ class _Match:
     lookup: Lookup
     load_blocks: int
     plan: str
+    chain: tuple[ChainBlock, ...] = ()
 
     @property
     def cached_blocks(self) -> int:
@@ -145,15 +149,17 @@ class _Tracked:
     block_ids: list[int]
     saved_upto: int
     prompt_blocks: int
+    #: The chain the scheduler derived for its lookup (keys of the first blocks of the prompt).
+    chain: tuple[ChainBlock, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
 class _Chain:
-    """A request's chain as far as the worker derived it, with what it was derived from."""
+    """The last chain block the worker derived for a request, with what it was derived from."""
 
     salt: str
     prompt: ScopedPrompt
-    blocks: list[ChainBlock]
+    last: ChainBlock
 
 
 def layout_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, tp_rank: int = 0,
@@ -352,14 +358,15 @@ class KvtierConnector(KVConnectorBase_V1):
         n_blocks = (len(tokens) - 1) // self.block_tokens
         try:
             cache, principal = tenant.cache, tenant.principal
-            prompt, lookup = self.rule.scoped_lookup(cache, principal, tokens, n_blocks)
+            found = self.rule.scoped_lookup(cache, principal, tokens, n_blocks)
+            prompt, lookup = found.prompt, found.lookup
         except AccessDenied:  # revoked or rate-limited principal: served without kvtier
             self.stats["lookup_refused"] += 1
             return 0, False
         decision = load_decision(self.planner, lookup, len(tokens) - lookup.length * self.block_tokens, self.layout)
         hit_tokens = decision.blocks * self.block_tokens
         self._matched[request.request_id] = _Match(salt, tenant, prompt, num_computed_tokens, lookup,
-                                                   decision.blocks, decision.plan)
+                                                   decision.blocks, decision.plan, found.chain)
         self.stats[f"plan:{decision.plan}"] += 1
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -385,7 +392,7 @@ class KvtierConnector(KVConnectorBase_V1):
             prompt_blocks = len(match.prompt.tokens) // self.block_tokens
             # Blocks kvtier already holds need no save; the rest are saved once vLLM has computed them.
             self._tracked[request.request_id] = _Tracked(match.salt, match.prompt, [], match.cached_blocks,
-                                                         prompt_blocks)
+                                                         prompt_blocks, match.chain)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self._loads_pending, async_loads=self.load_async)
@@ -413,8 +420,10 @@ class KvtierConnector(KVConnectorBase_V1):
         end = min(computed_after // self.block_tokens, tr.prompt_blocks, len(tr.block_ids))
         if end <= tr.saved_upto:
             return
-        meta.saves.append(BlockJob(req_id, tr.salt, tr.prompt, tr.saved_upto, end,
-                                   tuple(tr.block_ids[tr.saved_upto:end])))
+        start = tr.saved_upto
+        after = tr.chain[start - 1] if 0 < start <= len(tr.chain) else None
+        meta.saves.append(BlockJob(req_id, tr.salt, tr.prompt, start, end, tuple(tr.block_ids[start:end]),
+                                   layout_fp=self.layout.fingerprint, after=after))
         tr.saved_upto = end
         self.stats["save_jobs"] += 1
 
@@ -663,12 +672,12 @@ class KvtierConnector(KVConnectorBase_V1):
             tenant = self.source.for_salt(job.salt)
             if tenant is None:
                 raise AccessDenied(f"request {job.req_id}: its salt no longer resolves")
-            chain = self._chain_upto(job, tenant, out)
-            if len(chain) < job.end:  # the principal has no private scope: nothing to save
+            part = self._part(job, tenant, out)
+            if len(part) < job.end - job.start:  # the principal has no private scope: nothing to save
                 return out
             public = job.prompt.public_blocks
             first = max(job.start, public)  # public blocks are published, never written for a request
-            report = tenant.cache.save(tenant.principal, chain, tensors[first - job.start :], start=first)
+            report = tenant.cache.save(tenant.principal, part, tensors[first - job.start :], start=first - job.start)
         except (TierUnavailable, Overloaded):
             out["save_unavailable"] += 1
         except AccessDenied:
@@ -677,31 +686,42 @@ class KvtierConnector(KVConnectorBase_V1):
             out["saved_blocks"] += report.offered
         return out
 
-    def _chain_upto(self, job: BlockJob, tenant: Tenant, out: Counter[str]) -> list[ChainBlock]:
-        """The request's chain up to block ``job.end``: what an earlier step of it derived is
-        kept, so only the new blocks are derived (``keys_derived`` counts them)."""
+    def _part(self, job: BlockJob, tenant: Tenant, out: Counter[str]) -> list[ChainBlock]:
+        """The chain blocks ``[job.start, job.end)`` of the request, deriving only those: they
+        continue from the block before ``start``, which an earlier step of the request derived
+        here, or which the scheduler derived and sent (``job.after``, same layout). Shorter when
+        the principal has no scope of the private kind. ``keys_derived`` counts what was derived."""
         with self._lock:
             known = self._chains.get(job.req_id)
-        if known is not None and (known.salt != job.salt or known.prompt != job.prompt):
-            known = None  # preempted and rescheduled with another scope cut: start again
-        blocks = [] if known is None else known.blocks
-        if len(blocks) >= job.end:
-            return blocks[: job.end]
-        bt = self.block_tokens
-        if blocks and len(blocks) >= job.prompt.public_blocks:
-            # Past the public part, every block is private: continue the chain from its last block.
-            try:
-                rest = tenant.cache.chain(tenant.principal, [RequestSegment(
-                    job.prompt.tokens[len(blocks) * bt : job.end * bt], job.prompt.private_kind)], after=blocks[-1])
-            except AccessDenied:
-                rest = []
-            chain = [*blocks, *rest]
-        else:
+        prev = None
+        if known is not None and known.salt == job.salt and known.prompt == job.prompt \
+                and known.last.index == job.start - 1:
+            prev = known.last
+        elif job.after is not None and job.layout_fp == self.layout.fingerprint and job.after.index == job.start - 1:
+            prev = job.after
+        if job.start == 0 or prev is not None:
+            part = self._continue(tenant, job, prev)
+            out["keys_derived"] += len(part)
+        else:  # nothing to continue from (a worker of another layout, a preempted request)
             chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
-        out["keys_derived"] += len(chain) - len(blocks) if chain[: len(blocks)] == blocks else len(chain)
-        with self._lock:
-            self._chains[job.req_id] = _Chain(job.salt, job.prompt, chain)
-        return chain
+            out["keys_derived"] += len(chain)
+            part = chain[job.start : job.end]
+        if part:
+            with self._lock:
+                self._chains[job.req_id] = _Chain(job.salt, job.prompt, part[-1])
+        return part
+
+    def _continue(self, tenant: Tenant, job: BlockJob, prev: ChainBlock | None) -> list[ChainBlock]:
+        """Blocks ``[job.start, job.end)`` after ``prev``: the public part, then the private one."""
+        bt, cut, tokens = self.block_tokens, job.prompt.public_blocks, job.prompt.tokens
+        public = [RequestSegment(tokens[job.start * bt : min(cut, job.end) * bt], ScopeKind.PUBLIC)] \
+            if job.start < cut else []
+        private = [RequestSegment(tokens[max(job.start, cut) * bt : job.end * bt], job.prompt.private_kind)] \
+            if job.end > cut else []
+        try:
+            return tenant.cache.chain(tenant.principal, [*public, *private], after=prev)
+        except AccessDenied:  # no scope of the private kind: the public part alone, as scoped_chain
+            return tenant.cache.chain(tenant.principal, public, after=prev) if public else []
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._load_thread is not None and not self._load_thread.is_alive():

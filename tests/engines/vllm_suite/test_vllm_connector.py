@@ -657,3 +657,19 @@ def test_prom_metrics_count_events_per_engine_role_and_event(salt_key_file: str)
 def test_a_stats_file_is_refused_with_where_the_counters_went(salt_key_file: str) -> None:
     with pytest.raises(ConfigError, match=r"kvtier\.stats_file.*vllm:kvtier_connector_events_total"):
         make_engine(vllm_config(salt_key_file, stats_file="/tmp/kvtier-stats"))
+
+
+def test_a_save_after_a_hit_derives_only_the_blocks_it_saves(salt_key_file: str) -> None:
+    """The scheduler's chain travels with the save (the block before it, ``after``): the worker
+    derives the keys of the blocks it stores and no others."""
+    eng = make_engine(vllm_config(salt_key_file))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    doc = prompt(3 * BLOCK)
+    run_prefill(eng, request("r1", doc + [1], salt), list(range(4)), fill_seed=7)
+    assert eng.worker.stats["keys_derived"] == 3
+    longer = doc + prompt(2 * BLOCK + 1, base=500)
+    res = run_prefill(eng, request("r2", longer, salt), list(range(10, 16)), fill_seed=8)
+    assert res.matched == 3 * BLOCK
+    assert eng.worker.stats["saved_blocks"] == 5 and eng.worker.stats["keys_derived"] == 3 + 2
+    # The keys continued from the scheduler's block are the chain's own: a fresh request finds all 5.
+    assert eng.scheduler.get_num_new_matched_tokens(request("r3", longer, salt), 0) == (5 * BLOCK, False)

@@ -154,7 +154,9 @@ def test_public_registry_remembers_a_documents_cut_and_asks_once_when_it_can() -
 
     def both(tokens: list[int], n: int):
         asked.clear()
-        prompt, lk = rule.scoped_lookup(cache, alice, tokens, n)
+        found = rule.scoped_lookup(cache, alice, tokens, n)
+        prompt, lk = found.prompt, found.lookup
+        assert [c.key for c in found.chain[: lk.length]] == list(lk.keys)
         calls = len(asked)
         want = plain.scope(cache, alice, tokens, n)
         want_lk = real_lookup(alice, scoped_chain(cache, alice, want, n))
