@@ -665,7 +665,7 @@ def test_a_save_after_a_hit_derives_only_the_blocks_it_saves(salt_key_file: str)
     eng = make_engine(vllm_config(salt_key_file))
     salt = mint_salt(SALT_KEY, "acme", "alice")
     doc = prompt(3 * BLOCK)
-    run_prefill(eng, request("r1", doc + [1], salt), list(range(4)), fill_seed=7)
+    run_prefill(eng, request("r1", [*doc, 1], salt), list(range(4)), fill_seed=7)
     assert eng.worker.stats["keys_derived"] == 3
     longer = doc + prompt(2 * BLOCK + 1, base=500)
     res = run_prefill(eng, request("r2", longer, salt), list(range(10, 16)), fill_seed=8)
