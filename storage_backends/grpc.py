@@ -576,6 +576,20 @@ class GrpcTier(Tier):
         capacity = sum(caps) if caps and all(caps) else None
         return TierUsage(sum(t.blocks for t in listed), sum(t.bytes for t in listed), capacity, by_domain)
 
+    # -- locate -----------------------------------------------------------------------------------
+    def locate(self, request: pb.LocateRequest, *, timeout_s: float | None = None) -> pb.LocateResponse:
+        """Where the daemon holds a request's prefix and what serving it there would cost
+        (kvtier/server/locate.py). Every failure raises its kvtier error (a router decides what
+        an unreachable node means); ``timeout_s`` replaces the configured deadline for this call."""
+        t0 = time.perf_counter()
+        try:
+            return self._stub.Locate(request, timeout=self.config.timeout_s if timeout_s is None else timeout_s,
+                                     metadata=self._metadata())
+        except grpc.RpcError as exc:
+            raise error_from(exc) from None
+        finally:
+            self.metrics.observe("locate", time.perf_counter() - t0)
+
     # -- administration ---------------------------------------------------------------------------
     def stats(self) -> pb.StatsResponse:
         return self._unary("Stats", pb.StatsRequest())

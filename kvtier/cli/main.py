@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "s3": ("kvtier.server.embedded_s3", "start or stop an embedded SeaweedFS S3 server for local use"),
     "token": ("kvtier.cli.token", "mint a signed capability token for a principal"),
     "admin": ("kvtier.cli.admin", "operator calls against a daemon: purge a scope, revoke, stats"),
+    "locate": ("kvtier.cli.locate", "ask every node of a fleet where a request's prefix is cached, at what cost"),
     "keys": ("kvtier.cli.keyadmin", "master keys: create one, rewrap data keys under a new one; verify the audit log"),
 }
 #: One-line help of the harnesses kvtier ships; the harnesses themselves are found through the

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session", help="session id (gives the session scope)")
     p.add_argument("--role", action="append", default=[], metavar="ROLE",
                    help="role, repeatable: publish:public, publish:org, admin, operator, "
-                        "engine (an engine's credential: acts only for request salts)")
+                        "engine (an engine's credential: acts only for request salts), "
+                        "router (may call Locate and nothing else)")
     p.add_argument("--scopes", metavar="KINDS",
                    help="comma-separated scope kinds the token reaches (default: all the principal has)")
     p.add_argument("--ttl", type=float, default=3600.0, metavar="SECONDS", help="lifetime (default 3600)")

@@ -84,6 +84,11 @@ class KvCacheStub:
                 request_serializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneRequest.SerializeToString,
                 response_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneResponse.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvtier.v1.KvCache/Locate',
+                request_serializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateResponse.FromString,
+                _registered_method=True)
 
 
 class KvCacheServicer:
@@ -149,6 +154,12 @@ class KvCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +212,11 @@ def add_KvCacheServicer_to_server(servicer, server):
                     servicer.DataPlane,
                     request_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneRequest.FromString,
                     response_serializer=kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateRequest.FromString,
+                    response_serializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +489,33 @@ class KvCache:
             '/kvtier.v1.KvCache/DataPlane',
             kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneRequest.SerializeToString,
             kvtier_dot_rpc_dot_kvtier__pb2.DataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvCache/Locate',
+            kvtier_dot_rpc_dot_kvtier__pb2.LocateRequest.SerializeToString,
+            kvtier_dot_rpc_dot_kvtier__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,7 @@ where a step says it reads the store):
 - purge:         ``require_purge(actor, scope)``.  stats: ``visible_domains(p)``, ``sees_totals(p)``.
 - write answers:  ``reveals_presence(p)``: may a write say "already present" rather than "stored".
 - streams:       ``require_still_active(p)`` before every message of a read stream.
+- every call:    ``require_method(p, method)`` first: a confined role (``router``) calls only its methods.
 
 Rules (docs/security.md): a key's scope domain is its routing prefix, never a field a caller
 supplies; a principal reads the domains of its own readable scopes; a revoked principal is
@@ -76,6 +77,15 @@ class AccessGate:
         self._count = count
         self.guard = TimingGuard(store, mitigations, count, clock)
         self.tickets = LookupTickets(clock=clock)
+
+    # -- methods ----------------------------------------------------------------------------------
+    def require_method(self, p: Principal, method: str) -> None:
+        """Refuse a daemon method ``p``'s roles leave out (a ``router`` calls Locate only),
+        before anything else of the call runs."""
+        if not self.policy.may_call(p, method):
+            self._count("denied", 1)
+            raise AccessDenied(f"principal {p.id} may not call {method}: its role allows only "
+                               f"{sorted(self.policy.callable_methods(p))}")
 
     # -- reads ------------------------------------------------------------------------------------
     def readable(self, p: Principal) -> dict[ScopeDomain, Scope]:

@@ -26,6 +26,16 @@ ROLE_PUBLISH_ORG = "publish:org"
 ROLE_ADMIN = "admin"
 #: Service operator: may delete and purge any scope, public included. Reads stay its own.
 ROLE_OPERATOR = "operator"
+#: A request router: may ask where a request's prefix is cached (Locate), for the principal of the
+#: request's salt, and nothing else; it has no scope of its own.
+ROLE_ROUTER = "router"
+
+#: Roles that confine a credential to a few methods of the daemon (every other method refused),
+#: and leave it no scope of its own to read, write or delete. A credential holding several of
+#: them may call only what all of them allow.
+CONFINED_ROLES: dict[str, frozenset[str]] = {
+    ROLE_ROUTER: frozenset({"Locate"}),
+}
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+=-]{0,127}")
 
@@ -97,6 +107,11 @@ class Principal:
         if scope is None:
             raise ScopeError(f"principal {self.id} has no {k.name.lower()} scope")
         return scope
+
+
+def confined(p: Principal) -> bool:
+    """Whether ``p`` holds a confined role (``CONFINED_ROLES``): it then has no scope of its own."""
+    return not p.roles.isdisjoint(CONFINED_ROLES)
 
 
 def _kind(kind: ScopeKind | str) -> ScopeKind:
@@ -293,7 +308,18 @@ class Policy:
             raise AccessDenied(f"principal {p.id} is revoked")
 
     def decide(self, op: Op, p: Principal, scope: Scope) -> bool:
-        return self.is_active(p) and any(rule(p, scope) for rule in RULES[op])
+        return self.is_active(p) and not confined(p) and any(rule(p, scope) for rule in RULES[op])
+
+    def may_call(self, p: Principal, method: str) -> bool:
+        """Whether ``p`` may call the daemon's ``method`` (its short name, ``Locate``) at all:
+        every method unless a confined role (``CONFINED_ROLES``) leaves it out."""
+        return all(method in CONFINED_ROLES[r] for r in p.roles if r in CONFINED_ROLES)
+
+    @staticmethod
+    def callable_methods(p: Principal) -> frozenset[str]:
+        """The methods a confined principal may call (only meaningful when ``confined(p)``)."""
+        sets = [CONFINED_ROLES[r] for r in p.roles if r in CONFINED_ROLES]
+        return frozenset.intersection(*sets) if sets else frozenset()
 
     def may_read(self, p: Principal, scope: Scope) -> bool:
         return self.decide(Op.READ, p, scope)
@@ -324,7 +350,7 @@ class Policy:
         return dom
 
     def readable_domains(self, p: Principal) -> dict[ScopeDomain, Scope]:
-        if not self.is_active(p):
+        if not self.is_active(p) or confined(p):
             return {}
         return {self.domain(s): s for s in p.readable_scopes()}
 

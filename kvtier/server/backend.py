@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.cache.purge import PurgeReport
 from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver
+from kvtier.layout import KVLayout
 from kvtier.plugins import backend
 from kvtier.security.audit import AuditLog
 from kvtier.security.keyring import KeyRing
@@ -31,7 +32,7 @@ from kvtier.security.wrapped_keys import MirroredKeyStore, SlotFileKeyStore, Wra
 from kvtier.server.config import DaemonConfig
 from kvtier.store.spill_queue import SpillOptions
 from kvtier.store.tier import Tier
-from kvtier.store.tiered_store import TieredStore
+from kvtier.store.tiered_store import TieredStore, TransferObserver
 
 MIN_SERVER_SECRET = 16
 
@@ -77,11 +78,14 @@ class Backend:
     _closers: list[Callable[[], object]] = field(default_factory=list)
 
     @classmethod
-    def open(cls, config: DaemonConfig, *, on_count: Callable[[str, int], None] | None = None) -> Backend:
-        """Open everything; ``on_count`` is told of every refusal and mitigation the access gate counts."""
+    def open(cls, config: DaemonConfig, *, on_count: Callable[[str, int], None] | None = None,
+             observer: TransferObserver | None = None, layouts: Sequence[KVLayout] = ()) -> Backend:
+        """Open everything; ``on_count`` is told of every refusal and mitigation the access gate
+        counts, ``observer`` of every complete tier read (the store's), and ``layouts`` are the
+        layouts the KVCache derives keys for (the node's engines', for Locate)."""
         closers: list[Callable[[], object]] = []
         try:
-            return cls._open(config, closers, on_count)
+            return cls._open(config, closers, on_count, observer, layouts)
         except BaseException:
             for close in reversed(closers):
                 close()
@@ -89,7 +93,8 @@ class Backend:
 
     @classmethod
     def _open(
-        cls, config: DaemonConfig, closers: list[Callable[[], object]], on_count: Callable[[str, int], None] | None
+        cls, config: DaemonConfig, closers: list[Callable[[], object]], on_count: Callable[[str, int], None] | None,
+        observer: TransferObserver | None = None, layouts: Sequence[KVLayout] = (),
     ) -> Backend:
         sec, tiers = config.security, config.tiers
         deriver = DomainDeriver(read_server_secret(sec.server_secret_file))
@@ -118,13 +123,13 @@ class Backend:
             if not local:
                 assert remote is not None
                 # Remote only: the remote tier is the store's one tier, written synchronously.
-                store = TieredStore([remote])
+                store = TieredStore([remote], observer=observer)
                 local = [remote]
             else:
                 write_policy = tiers.remote.write_policy if tiers.remote is not None else "none"
                 # async: memory's evictions reach LMDB through a bounded queue, off the Put's path.
                 spill = SpillOptions(max_bytes=tiers.spill.queue_bytes) if tiers.spill.mode == "async" else None
-                store = TieredStore(local, remote=remote, write_policy=write_policy, spill=spill)
+                store = TieredStore(local, remote=remote, write_policy=write_policy, spill=spill, observer=observer)
         except BaseException:
             for t in [*local, *([remote] if remote is not None else [])]:
                 t.close()
@@ -136,7 +141,7 @@ class Backend:
         compactors = ()
         if tiers.remote is not None and tiers.remote.vacuum_url:
             compactors = (backend("s3").SeaweedVacuum(tiers.remote.vacuum_url),)
-        cache = KVCache(store, (), policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path,
+        cache = KVCache(store, layouts, policy, CacheOptions(keyring=keyring, journal_dir=config.purge_journal_path,
                                                          mitigations=mitigations, on_count=on_count,
                                                          compactors=compactors))
         sync = None

@@ -117,6 +117,12 @@ def _log_levels() -> list[str]:
     return ["debug", "info", "warning", "error"]
 
 
+def _kv_dtypes() -> list[str]:
+    from kvtier.layout import DTYPES  # torch: only for a config that has a [locate] section
+
+    return sorted(DTYPES)
+
+
 # -- schema ----------------------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class ServerConfig:
@@ -345,6 +351,44 @@ class TiersConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class LocateConfig:
+    """Locate (docs/operations.md, "Locate"): what the engines of this node are, so the daemon can
+    derive a request's keys from its token ids as they do and price serving it here. The prefill
+    defaults are the analytic Llama-3-8B on one H200 of docs/cost-model.md: measure your engine's."""
+
+    model_id: str = _f(MISSING, "Model id of the node's engines, as their connector names the layout. Required.")
+    num_layers: int = _f(MISSING, "Layers of the model's KV cache. Required.", check=positive)
+    num_kv_heads: int = _f(MISSING, "KV heads per layer (per tensor-parallel rank). Required.", check=positive)
+    head_dim: int = _f(MISSING, "Head dimension. Required.", check=positive)
+    revision: str = _f("main", "Model revision, as the connector names it.")
+    dtype: str = _f("bfloat16", "KV cache dtype.", check=one_of(_kv_dtypes))
+    block_tokens: int = _f(16, "Tokens per block (the engine's block size).", check=in_range(1, 1 << 16))
+    tp_size: int = _f(1, "Tensor-parallel size of the engines (rank 0's keys are looked up).",
+                      check=in_range(1, 1024))
+    block_shape: str = _f("vllm", "How the engines' connector lays out a block (part of the layout's fingerprint): "
+                          "vllm ([layers, kv_heads, block_tokens, 2 x head_dim], the vLLM connector's pages) or "
+                          "kvtier ([layers, 2, block_tokens, kv_heads, head_dim]: transformers, SGLang).",
+                          check=one_of(lambda: ["vllm", "kvtier"]))
+    scope_rule: str = _f("public-registry", "How the engines' connector scopes a request (kvtier.scope_rule): "
+                         "public-registry or private.", check=one_of(lambda: ["public-registry", "private"]))
+    private_scope: str = _f("user", "Scope kind of a request's private part (kvtier.private_scope).",
+                            check=one_of(lambda: ["org", "user", "session"]))
+    prefill_fixed_ms: float = _f(8.0, "Engine prefill: fixed cost per forward pass, ms.", check=in_range(0, 1e6))
+    prefill_per_token_us: float = _f(32.0, "Engine prefill: cost per computed token, us.", check=in_range(0, 1e9))
+    prefill_per_pair_ns: float = _f(1.3, "Engine prefill: cost per causal query-key pair, ns.",
+                                    check=in_range(0, 1e9))
+    prefill_per_ctx_token_ns: float = _f(0.0, "Engine prefill: cost per cached context token, ns.",
+                                         check=in_range(0, 1e9))
+    host_to_device_GBps: float = _f(10.0, "Loaded blocks into the engine's cache (shared memory, then host to "
+                                    "device), GB/s.", check=in_range(1e-3, 1e4))
+    overlap: bool = _f(False, "The engines compute a prompt's front while its back loads (pipelined plans).")
+    max_tokens: int = _f(131072, "Token ids accepted in one Locate.", check=in_range(1, 1 << 24))
+    node: str | None = _f(None, "This node's name in answers; unset: the host name.")
+    http_listen: str | None = _f(None, "host:port of Locate's HTTP/JSON twin (POST /v1/locate, bearer token); "
+                                 "unset or empty: none. TLS as server.tls_*.", check=host_port)
+
+
+@dataclass(slots=True, frozen=True)
 class DaemonConfig:
     """Everything ``kvtier serve`` needs. Immutable once loaded."""
 
@@ -354,6 +398,7 @@ class DaemonConfig:
     auth: AuthConfig = field(metadata=_meta("Token verification."))
     security: SecurityConfig = field(metadata=_meta("Key material and encryption."))
     tiers: TiersConfig = field(metadata=_meta("Storage tiers."))
+    locate: LocateConfig | None = field(default=None, metadata=_meta("Locate; absent: the daemon answers no Locate."))
 
     def validate(self) -> None:
         """Cross-field rules; per-field rules ran while loading."""

@@ -41,6 +41,8 @@ from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
 from kvtier.server.config import DaemonConfig, load_config
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
+from kvtier.server.locate import Locator, locate_settings
+from kvtier.server.locate_http import HttpLocate, LocateHttpServer, tls_context
 from kvtier.server.observability import (
     DaemonCollector,
     MetricsEndpoint,
@@ -49,6 +51,7 @@ from kvtier.server.observability import (
     configure_logging,
 )
 from kvtier.server.service import SERVICE_NAME, KvCacheService, ServiceLimits, ServiceParts, service_handler
+from kvtier.server.tier_costs import MeasuredTiers
 
 log = logging.getLogger("kvtier.server")
 
@@ -84,8 +87,12 @@ class Daemon:
         self.config = config
         s = config.server
         self.metrics = ServerMetrics()
+        #: What each tier's reads cost, measured as the store serves them (Locate's prices).
+        self.tier_costs = MeasuredTiers()
+        locate = locate_settings(config.locate) if config.locate is not None else None
         # The access gate (built by the backend's KVCache) counts into this daemon's metrics.
-        self.backend = Backend.open(config, on_count=self.metrics.gate)
+        self.backend = Backend.open(config, on_count=self.metrics.gate, observer=self.tier_costs,
+                                    layouts=() if locate is None else (locate.layout,))
         try:
             a = config.auth
             self.verifier = TokenVerifier(verify_keys(a.token_key_file, a.ed25519_public_key_file),
@@ -104,13 +111,18 @@ class Daemon:
                         RegionTable(RegionLimits(s.max_region_bytes, s.max_regions, s.max_regions_per_client)))
         self._data_plane: DataPlaneListener | None = None
         self._data_plane_dir: str | None = None
+        # The remote tier, when there is one, is the store's last: the one every node reaches.
+        shared = self.backend.store.tiers[-1].name if config.tiers.remote is not None else None
+        self.locator = (None if locate is None else
+                        Locator(self.backend.cache, salts, self.tier_costs, locate, shared))
+        self._locate_http: LocateHttpServer | None = None
         self.service = KvCacheService(ServiceParts(
             store=self.backend.store, gate=self.backend.cache.gate,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
             # A put commits well before its buffered blocks approach the per-client budget.
             limits=ServiceLimits(chunk_bytes=s.chunk_bytes,
                                  put_batch_bytes=max(1, min(16 << 20, s.max_inflight_bytes_per_client // 4))),
-            regions=self.regions, data_plane=self._data_plane_offer,
+            regions=self.regions, data_plane=self._data_plane_offer, locator=self.locator,
         ))
         self.health = health.HealthServicer()
         self._server: grpc.Server | None = None
@@ -142,6 +154,17 @@ class Daemon:
     def metrics_port(self) -> int | None:
         return self._metrics_endpoint.port if self._metrics_endpoint is not None else None
 
+    @property
+    def locate_http_port(self) -> int | None:
+        return self._locate_http.port if self._locate_http is not None else None
+
+    def _region_credential(self, token: str) -> Any:
+        """The data-plane socket's check: the token's verified principal, if its role may use the
+        data plane at all (a router may not)."""
+        credential = self.gate.credential(token)
+        self.backend.cache.gate.require_method(credential, "DataPlane")
+        return credential
+
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> Daemon:
         s = self.config.server
@@ -163,8 +186,11 @@ class Daemon:
         try:
             self.port = self._bind(server)
             if self.regions is not None:
-                self._data_plane = DataPlaneListener(self._data_plane_path(), self.regions, self.gate.credential)
+                self._data_plane = DataPlaneListener(self._data_plane_path(), self.regions, self._region_credential)
+            self._locate_http = self._open_locate_http()
         except BaseException:
+            if self._data_plane is not None:
+                self._data_plane.close()
             if self._data_plane_dir is not None:
                 shutil.rmtree(self._data_plane_dir, ignore_errors=True)
             self.reaper.close()
@@ -188,7 +214,8 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"event": "serving", "address": self.address, "port": self.port,
-                                   "metrics_port": self.metrics_port, "tls": s.tls_cert is not None,
+                                   "metrics_port": self.metrics_port, "locate_http_port": self.locate_http_port,
+                                   "tls": s.tls_cert is not None,
                                    "mtls": s.tls_client_ca is not None,
                                    "tiers": [t.name for t in self.backend.store.tiers]})
         return self
@@ -207,6 +234,19 @@ class Daemon:
         if not port:
             raise ConfigError(f"server.listen: cannot listen on {s.listen} (in use or not a local address)")
         return port
+
+    def _open_locate_http(self) -> LocateHttpServer | None:
+        """Locate's HTTP/JSON twin on ``locate.http_listen`` (TLS as the gRPC port), if configured."""
+        loc, s = self.config.locate, self.config.server
+        if loc is None or not loc.http_listen or self.locator is None:
+            return None
+        host, port = loc.http_listen.rsplit(":", 1)
+        tls = tls_context(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert and s.tls_key else None
+        try:
+            return LocateHttpServer(HttpLocate(self.gate, self.backend.cache.gate, self.locator), host.strip("[]"),
+                                    int(port), tls)
+        except OSError as exc:
+            raise ConfigError(f"locate.http_listen: cannot listen on {loc.http_listen} ({exc.strerror})") from None
 
     def _data_plane_path(self) -> Path:
         """Where the data-plane socket goes (``server.data_plane``)."""
@@ -233,6 +273,8 @@ class Daemon:
         t0 = time.monotonic()
         self.health.enter_graceful_shutdown()
         self.gate.drain()
+        if self._locate_http is not None:
+            self._locate_http.close()
         if self._server is not None:
             self._server.stop(grace).wait()
         self.reaper.close()
@@ -260,7 +302,8 @@ class Daemon:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, metavar="FILE", help="daemon configuration (TOML)")
     p.add_argument("--ready-file", metavar="PATH",
-                   help="once serving, write {pid, port, metrics_port} as JSON to PATH (for scripts and tests)")
+                   help="once serving, write {pid, port, address, metrics_port, locate_http_port} as JSON to PATH "
+                        "(for scripts and tests)")
     p.add_argument("--check", action="store_true", help="validate the configuration and exit")
 
 
@@ -308,5 +351,5 @@ def run(args: argparse.Namespace) -> int:
 def _write_ready(path: Path, daemon: Daemon) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), "port": daemon.port, "address": daemon.address,
-                               "metrics_port": daemon.metrics_port}))
+                               "metrics_port": daemon.metrics_port, "locate_http_port": daemon.locate_http_port}))
     os.replace(tmp, path)  # readers never see a half-written file

@@ -24,6 +24,10 @@ store, and every read goes through the store (verification, promotion, metrics):
   ``gate.require_purge``) and ``gate.visible_domains`` / ``gate.sees_totals`` (tier-wide totals
   for operators only). Revoke: ``change_revocation`` (kvtier/security/revoke_rules.py: who may
   revoke, and lift, what).
+- Locate: the Locator (kvtier/server/locate.py) answers for the request's end principal through
+  ``gate.lookup``; it reads no block.
+- Every method: ``gate.require_method`` first (``service_handler``), for the token's principal and
+  the one it acts for: a ``router`` credential calls Locate and nothing else.
 Put commits whole, verified blocks in batches as they arrive: a stream that fails part-way may
 leave earlier blocks stored (each whole), never a partial block.
 """
@@ -34,6 +38,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -44,7 +49,7 @@ from kvtier.cache.purge import PurgeReport
 from kvtier.dataplane.region import SharedRegion
 from kvtier.dataplane.region_table import RegionTable
 from kvtier.dataplane.region_writer import Placement, RegionWriter
-from kvtier.errors import InvalidRequest
+from kvtier.errors import ConfigError, InvalidRequest
 from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
@@ -67,6 +72,8 @@ from kvtier.security.policy import Op, Principal
 from kvtier.security.revoke_rules import RevokeKind, change_revocation
 from kvtier.server.auth import Call
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit
+from kvtier.server.locate import Locator
+from kvtier.server.locate_wire import located_to_msg, query_from_msg
 from kvtier.server.observability import ServerMetrics
 from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
@@ -105,6 +112,8 @@ class ServiceParts:
     regions: RegionTable | None = None
     #: Where clients attach regions: ``DataPlane``'s answer (an empty socket: none offered).
     data_plane: Callable[[], pb.DataPlaneResponse] = pb.DataPlaneResponse
+    #: Answers Locate (None: the daemon's config has no [locate] section).
+    locator: Locator | None = None
 
 
 #: The wire's revoke kinds, as the revoke rules (kvtier/security/revoke_rules.py) name them.
@@ -461,6 +470,16 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         out.server.SetInParent()
         return out
 
+    # -- locate -----------------------------------------------------------------------------------
+    def Locate(self, request: pb.LocateRequest, call: Call) -> pb.LocateResponse:
+        """Where this node holds the request's prefix, and what serving it here would cost."""
+        locator = self.parts.locator
+        if locator is None:
+            raise ConfigError("this daemon answers no Locate: its configuration has no [locate] section")
+        query = query_from_msg(request, self.limits.max_keys)
+        assert call.credential is not None  # CallGate sets it on every call
+        return located_to_msg(locator.locate(call.credential, call.principal, query))
+
     def Domains(self, request: pb.DomainsRequest, call: Call) -> pb.DomainsResponse:
         p = call.principal
         out = pb.DomainsResponse(principal=p.id)
@@ -475,6 +494,29 @@ class KvCacheService(pb_grpc.KvCacheServicer):
 
 
 
+def _allowed(gate: AccessGate, name: str, method: Callable[..., Any], *, streams: bool) -> Callable[..., Any]:
+    """``method`` behind ``gate.require_method`` for the token's principal and the one it acts for,
+    asked before the method runs (a streaming method: before its first message)."""
+
+    def check(call: Call) -> None:
+        gate.require_method(call.principal, name)
+        if call.credential is not None:
+            gate.require_method(call.credential, name)
+
+    if streams:
+        def stream(request: Any, call: Call) -> Iterator[Any]:
+            check(call)
+            yield from method(request, call)
+
+        return stream
+
+    def once(request: Any, call: Call) -> Any:
+        check(call)
+        return method(request, call)
+
+    return once
+
+
 def runs_to_msg(runs: Sequence[TierRun]) -> list[pb.TierRun]:
     return [pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in runs]
 
@@ -483,19 +525,21 @@ def service_handler(service: KvCacheService) -> grpc.GenericRpcHandler:
     """The service's method handlers: protobuf messages throughout, except that Get's responses
     and Put's requests go through the frame codec (payloads copied once, not three times)."""
     unary = grpc.unary_unary_rpc_method_handler
+    # Every method behind the method check: a confined role (router) reaches only its own.
+    fn = {name: _allowed(service.gate, name, getattr(service, name), streams=name == "Get")
+          for name in pb.DESCRIPTOR.services_by_name["KvCache"].methods_by_name}
     methods = {
-        "Lookup": unary(service.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString),
-        "Get": grpc.unary_stream_rpc_method_handler(service.Get, pb.GetRequest.FromString, encode_frame),
-        "Put": grpc.stream_unary_rpc_method_handler(service.Put, decode_frame, pb.PutResponse.SerializeToString),
-        "Delete": unary(service.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString),
-        "ListScope": unary(service.ListScope, pb.ListScopeRequest.FromString,
-                           pb.ListScopeResponse.SerializeToString),
-        "Purge": unary(service.Purge, pb.PurgeRequest.FromString, pb.PurgeResponse.SerializeToString),
-        "Revoke": unary(service.Revoke, pb.RevokeRequest.FromString, pb.RevokeResponse.SerializeToString),
-        "Stats": unary(service.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
-        "Domains": unary(service.Domains, pb.DomainsRequest.FromString, pb.DomainsResponse.SerializeToString),
-        "DataPlane": unary(service.DataPlane, pb.DataPlaneRequest.FromString,
-                           pb.DataPlaneResponse.SerializeToString),
+        "Lookup": unary(fn["Lookup"], pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(fn["Get"], pb.GetRequest.FromString, encode_frame),
+        "Put": grpc.stream_unary_rpc_method_handler(fn["Put"], decode_frame, pb.PutResponse.SerializeToString),
+        "Delete": unary(fn["Delete"], pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString),
+        "ListScope": unary(fn["ListScope"], pb.ListScopeRequest.FromString, pb.ListScopeResponse.SerializeToString),
+        "Purge": unary(fn["Purge"], pb.PurgeRequest.FromString, pb.PurgeResponse.SerializeToString),
+        "Revoke": unary(fn["Revoke"], pb.RevokeRequest.FromString, pb.RevokeResponse.SerializeToString),
+        "Stats": unary(fn["Stats"], pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
+        "Domains": unary(fn["Domains"], pb.DomainsRequest.FromString, pb.DomainsResponse.SerializeToString),
+        "DataPlane": unary(fn["DataPlane"], pb.DataPlaneRequest.FromString, pb.DataPlaneResponse.SerializeToString),
+        "Locate": unary(fn["Locate"], pb.LocateRequest.FromString, pb.LocateResponse.SerializeToString),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["KvCache"].methods_by_name) - set(methods)
     assert not missing, f"service_handler lacks {missing}"

@@ -1,0 +1,231 @@
+"""The fleet view: one Locate scattered to every node's daemon and gathered within a deadline.
+
+No distributed state of its own: each daemon answers for what it holds (kvtier/server/locate.py)
+and this view asks them all at once. Membership is a list of named addresses, from a TOML file
+(``read_members``) or a flag (``parse_members``). A node that does not answer within the deadline
+(stopped, frozen, partitioned) is reported ``unavailable`` with the reason, never dropped, so a
+router can tell "no cache there" from "no answer from there".
+
+Protocol: ``FleetView(members, connect, deadline_s)`` opens one client per member (``connect``:
+a kvtier daemon client with a ``locate`` method, e.g. storage_backends' GrpcTier, found by the
+caller through the backend registry) -> ``locate(query)`` any number of times, from any thread
+-> ``close()``.
+
+Membership file::
+
+    deadline_ms = 300            # optional; a flag may override it
+    [nodes]
+    node-a = "10.0.0.11:7070"
+    node-b = "10.0.0.12:7070"
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvtier.errors import AccessDenied, ConfigError, KvtierError, TierUnavailable
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.server.config import host_port
+from kvtier.server.locate import Located, LocateQuery, SharedShare
+from kvtier.server.locate_wire import located_from_msg, located_json, query_to_msg
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+#: What a node's answer was: its Locate, or why there is none.
+OK, UNAVAILABLE, REFUSED, ERROR = "ok", "unavailable", "refused", "error"
+
+
+class LocateClient(Protocol):
+    def locate(self, request: pb.LocateRequest, *, timeout_s: float | None = None) -> pb.LocateResponse: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Member:
+    """A node of the fleet: its name in answers and its daemon's gRPC address."""
+
+    name: str
+    address: str
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ConfigError(f"node name {self.name!r}: 1-63 letters, digits and ._- "
+                              "(starting with a letter or digit)")
+        complaint = host_port(self.address)
+        if complaint is not None:
+            raise ConfigError(f"node {self.name}: address {complaint}")
+
+
+def parse_members(specs: Sequence[str]) -> list[Member]:
+    """Members from ``NAME=HOST:PORT`` strings (a flag's values)."""
+    out = []
+    for spec in specs:
+        name, sep, address = spec.partition("=")
+        if not sep:
+            raise ConfigError(f"--node {spec!r}: expected NAME=HOST:PORT")
+        out.append(Member(name.strip(), address.strip()))
+    return _unique(out)
+
+
+def read_members(path: str | Path) -> tuple[list[Member], float | None]:
+    """Members and the optional ``deadline_ms`` (as seconds) of a membership file (module docstring)."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"membership file {p}: cannot read ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"membership file {p}: invalid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"nodes", "deadline_ms"})
+    if unknown:
+        raise ConfigError(f"membership file {p}: unknown field(s) {unknown}; known: deadline_ms, [nodes]")
+    nodes = data.get("nodes")
+    if not isinstance(nodes, dict) or not nodes:
+        raise ConfigError(f"membership file {p}: [nodes] must map each node's name to its host:port")
+    members = []
+    for name, address in nodes.items():
+        if not isinstance(address, str):
+            raise ConfigError(f"membership file {p}: nodes.{name} must be a \"host:port\" string")
+        members.append(Member(name, address))
+    deadline = data.get("deadline_ms")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int | float)
+                                 or not deadline > 0):
+        raise ConfigError(f"membership file {p}: deadline_ms must be a positive number")
+    return _unique(members), None if deadline is None else float(deadline) / 1e3
+
+
+def _unique(members: list[Member]) -> list[Member]:
+    names = [m.name for m in members]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"node names must be unique; repeated: {dupes}")
+    return members
+
+
+@dataclass(slots=True, frozen=True)
+class NodeAnswer:
+    """One node's part of a fleet answer: ``located`` when ``status`` is ``ok``, else ``reason``."""
+
+    member: Member
+    status: str
+    elapsed_ms: float
+    located: Located | None = None
+    reason: str = ""
+
+    def json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": self.status, "address": self.member.address,
+                               "elapsed_ms": round(self.elapsed_ms, 3)}
+        if self.located is not None:
+            out["answer"] = located_json(self.located)
+        else:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class FleetAnswer:
+    """Every member's answer, in membership order."""
+
+    nodes: tuple[NodeAnswer, ...]
+    deadline_ms: float
+
+    def answered(self) -> list[NodeAnswer]:
+        return [n for n in self.nodes if n.located is not None]
+
+    def best(self) -> NodeAnswer | None:
+        """The answering node with the lowest predicted time to first token (first on ties)."""
+        ok = self.answered()
+        return min(ok, key=lambda n: n.located.ttft_ms) if ok else None  # type: ignore[union-attr]
+
+    def shared(self) -> SharedShare | None:
+        """What the shared tier holds, as the answering nodes saw it (the longest prefix, then the
+        cheapest): every node reaches the same bucket, so they differ only by timing."""
+        seen = [n.located.shared for n in self.answered() if n.located is not None and n.located.shared is not None]
+        return min(seen, key=lambda s: (-s.blocks, s.ttft_ms)) if seen else None
+
+    def json(self) -> dict[str, Any]:
+        best, shared = self.best(), self.shared()
+        return {
+            "deadline_ms": self.deadline_ms,
+            "best": None if best is None else best.member.name,
+            "shared": None if shared is None else {"tier": shared.tier, "blocks": shared.blocks,
+                                                   "ttft_ms": shared.ttft_ms},
+            "nodes": {n.member.name: n.json() for n in self.nodes},
+        }
+
+
+class FleetView:
+    """Scatter-gather Locate over a fixed membership (see the module docstring).
+
+    Invariants: one client and one worker thread per member; a query waits at most the deadline
+    (plus scheduling), and every member appears in its answer. Thread-safe: the clients and the
+    pool are.
+    """
+
+    def __init__(self, members: Sequence[Member], connect: Callable[[Member], LocateClient],
+                 deadline_s: float) -> None:
+        if not members:
+            raise ConfigError("a fleet view needs at least one node")
+        if not deadline_s > 0:
+            raise ConfigError("the fleet view's deadline must be positive")
+        self.members = list(_unique(list(members)))
+        self.deadline_s = deadline_s
+        self._clients: list[LocateClient] = []
+        try:
+            for m in self.members:
+                self._clients.append(connect(m))
+        except BaseException:
+            self.close()
+            raise
+        self._pool = ThreadPoolExecutor(max_workers=len(self.members), thread_name_prefix="kvtier-fleet")
+
+    def locate(self, query: LocateQuery) -> FleetAnswer:
+        request = query_to_msg(query)
+        t0 = time.monotonic()
+        futures: list[Future[tuple[pb.LocateResponse, float]]] = [
+            self._pool.submit(self._ask, client, request, t0) for client in self._clients]
+        wait(futures, timeout=self.deadline_s)
+        out = []
+        for m, f in zip(self.members, futures, strict=True):
+            if not f.done():
+                f.cancel()
+                out.append(NodeAnswer(m, UNAVAILABLE, (time.monotonic() - t0) * 1e3,
+                                      reason=f"no answer within the deadline ({self.deadline_s * 1e3:g} ms)"))
+                continue
+            try:
+                msg, elapsed = f.result()
+            except KvtierError as exc:
+                out.append(NodeAnswer(m, _status(exc), (time.monotonic() - t0) * 1e3, reason=str(exc)))
+                continue
+            out.append(NodeAnswer(m, OK, elapsed, located=located_from_msg(msg)))
+        return FleetAnswer(tuple(out), self.deadline_s * 1e3)
+
+    def _ask(self, client: LocateClient, request: pb.LocateRequest, t0: float) -> tuple[pb.LocateResponse, float]:
+        # The call's own deadline is what is left of the fleet's: a late answer is not waited for.
+        left = self.deadline_s - (time.monotonic() - t0)
+        if left <= 0:
+            raise TierUnavailable("no time left before the deadline")
+        msg = client.locate(request, timeout_s=left)
+        return msg, (time.monotonic() - t0) * 1e3
+
+    def close(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for c in self._clients:
+            c.close()
+
+
+def _status(exc: KvtierError) -> str:
+    if isinstance(exc, TierUnavailable):  # unreachable, deadline exceeded, shutting down
+        return UNAVAILABLE
+    if isinstance(exc, AccessDenied):  # credential, role, revoked principal, miss limit
+        return REFUSED
+    return ERROR  # bad input, no [locate] section: the same on every node
