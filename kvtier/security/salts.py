@@ -69,11 +69,16 @@ class SaltMapper(ABC):
     name: str
 
     def principal(self, salt: str | None) -> Principal | None:
-        """None for a request without a salt; AuthError for a salt that proves nothing."""
+        """None for a request without a salt; AuthError for a salt that proves nothing (for any
+        input: malformed, over-large, not ASCII, or a token whose claims are)."""
         if salt is None or salt == "":
             return None
         if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
             raise AuthError("cache salt is not a string of acceptable length")
+        # Every salt kvtier mints is printable ASCII; anything else is refused before it is split,
+        # encoded or compared (hmac.compare_digest raises TypeError on non-ASCII strings).
+        if not (salt.isascii() and salt.isprintable()):
+            raise AuthError("cache salt is not printable ASCII")
         return self._verify(salt)
 
     @abstractmethod
@@ -99,7 +104,8 @@ class HmacSaltMapper(SaltMapper):
             mac = _legacy_salt_mac(self._key, tenant, user)
         else:
             raise AuthError("cache salt is malformed (expected kvs2:<tenant>:<user>:<mac>)")
-        if not hmac.compare_digest(mac, parts[-1]):
+        # _verify is also reached from RequestSalts: the ASCII rule of ``principal`` holds here too.
+        if not parts[-1].isascii() or not hmac.compare_digest(mac, parts[-1]):
             raise AuthError("cache salt has an invalid signature")
         try:
             return Principal(tenant=tenant, user=user)

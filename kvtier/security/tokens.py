@@ -3,11 +3,16 @@
 Wire form: ``kvt1.<base64url(claims json)>.<base64url(signature)>``; the signature covers the
 exact ASCII of ``kvt1.<claims>``. Algorithms are strategies in ``ALGORITHMS``: ``HS256``
 (HMAC-SHA256, a secret shared by minter and daemon) and ``EdDSA`` (Ed25519: the daemon holds
-only the public key, so it cannot mint). The verifier picks the key by ``kid`` from its own key
-set and requires the token's ``alg`` to be that key's algorithm: a token never chooses how it is
-verified. Every failure (malformed, unknown key, bad signature, expired, not yet valid, lifetime
-too long, wrong audience, bad claims) raises AuthError with a message that quotes no token or key
-bytes.
+only the public key, so it cannot mint).
+
+Verification, in order: the token's length (``MAX_TOKEN_CHARS``) and shape; the base64 of both
+parts; the signature, tried against each key of the verifier's own set (a daemon has one or two)
+so that not a byte of unsigned claims is parsed; only then the claims, bounded in size and
+nesting (``kvtier.bounded_json``) before ``json`` reads them, and their ``kid`` and ``alg`` must
+name the key that verified them: a token never chooses how it is verified. Every failure
+(malformed, over-large, deeply nested, bad signature, another key's claims, expired, not yet
+valid, lifetime too long, wrong audience, bad claims) raises AuthError, with a message that quotes
+no token or key bytes; nothing else escapes ``verify`` for any input.
 """
 
 from __future__ import annotations
@@ -28,12 +33,17 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kvtier.bounded_json import JsonRefused, loads_bounded
 from kvtier.errors import AuthError, ScopeError
 from kvtier.keys import ScopeKind
 from kvtier.security.policy import Principal
 
 PREFIX = "kvt1"
 MAX_TOKEN_CHARS = 4096
+#: Decoded claims: all that fits in a token of MAX_TOKEN_CHARS.
+MAX_CLAIMS_BYTES = 3072
+#: Claims are one object of strings, numbers and lists of strings: two levels.
+MAX_CLAIMS_DEPTH = 2
 DEFAULT_LEEWAY_S = 30.0
 DEFAULT_MAX_LIFETIME_S = 24 * 3600.0
 _SCOPE_NAMES = {k.name.lower(): k for k in ScopeKind}
@@ -185,12 +195,21 @@ def mint(key: SigningKey, request: MintRequest, *, now: float | None = None) -> 
     }
     body = _b64e(json.dumps(claims, separators=(",", ":"), sort_keys=True).encode())
     signed = f"{PREFIX}.{body}"
-    return f"{signed}.{_b64e(key.sign(signed.encode()))}"
+    token = f"{signed}.{_b64e(key.sign(signed.encode()))}"
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ValueError(f"the token would be too long ({len(token)} characters, verifiers accept "
+                         f"{MAX_TOKEN_CHARS}): fewer roles or shorter ids")
+    return token
 
 
 def _finite(x: object) -> bool:
-    """A real, finite number (bools, NaN and infinities are not)."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    """A real, finite number (bools, NaN, infinities and integers beyond a float are not)."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large to be a float
+        return False
 
 
 def _scope_kind(name: str) -> ScopeKind:
@@ -234,20 +253,31 @@ class TokenVerifier:
         if len(parts) != 3 or parts[0] != PREFIX:
             raise AuthError("token is malformed (expected kvt1.<claims>.<signature>)")
         raw = _b64d(parts[1])
-        sig = _b64d(parts[2])
+        key = self._signer(f"{parts[0]}.{parts[1]}".encode(), _b64d(parts[2]))
+        # From here the claims are the signer's own bytes; they are still bounded before parsing
+        # (a minter's bug, or a leaked key, must not crash the daemon either).
         try:
-            claims = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise AuthError("token claims are not valid JSON") from None
+            claims = loads_bounded(raw, max_bytes=MAX_CLAIMS_BYTES, max_depth=MAX_CLAIMS_DEPTH)
+        except JsonRefused as exc:
+            raise AuthError(f"token claims are malformed ({exc})") from None
         if not isinstance(claims, dict):
             raise AuthError("token claims are not an object")
-        key = self._keys.get(claims.get("kid")) if isinstance(claims.get("kid"), str) else None
-        if key is None:
-            raise AuthError("token is signed by an unknown key")
+        if claims.get("kid") != key.kid:
+            raise AuthError("token names another key than the one that signed it")
         if claims.get("alg") != key.alg:
             raise AuthError("token algorithm does not match its key")
-        key.verify(f"{parts[0]}.{parts[1]}".encode(), sig)
         return self._claims(claims)
+
+    def _signer(self, signed: bytes, signature: bytes) -> VerifyKey:
+        """The key of this verifier's set whose signature ``signature`` is; AuthError when none.
+        Each key checks with its own algorithm (the set is small: one HMAC and one Ed25519 key)."""
+        for key in self._keys.values():
+            try:
+                key.verify(signed, signature)
+            except AuthError:
+                continue
+            return key
+        raise AuthError("token signature is invalid")
 
     def principal(self, token: str) -> Principal:
         return self.verify(token).principal
@@ -276,8 +306,11 @@ class TokenVerifier:
         roles, scopes = c.get("rol"), c.get("scp")
         if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
             raise AuthError("token roles are malformed")
-        if scopes is not None and (not isinstance(scopes, list) or not all(s in _SCOPE_NAMES for s in scopes)):
+        if scopes is not None and (not isinstance(scopes, list)
+                                   or not all(isinstance(s, str) and s in _SCOPE_NAMES for s in scopes)):
             raise AuthError("token scopes are malformed")
+        if not all(c.get(f) is None or isinstance(c.get(f), str) for f in ("ten", "usr", "org", "ses", "aud")):
+            raise AuthError("token names a malformed principal")
         try:
             p = Principal(
                 tenant=c.get("ten"), user=c.get("usr"), org=c.get("org"), session=c.get("ses"),

@@ -265,7 +265,7 @@ class CallGate(grpc.ServerInterceptor):
         try:
             if self._draining:
                 raise TierUnavailable("the daemon is shutting down")
-            credential, principal = self.authenticate(context.invocation_metadata())
+            credential, principal = self._authenticated(method, context.invocation_metadata())
             self.limit.try_enter()
         except KvtierError as exc:
             self.metrics.call_failed(method, status_of(exc).name)
@@ -283,6 +283,19 @@ class CallGate(grpc.ServerInterceptor):
         context.add_callback(call.lease.close)
         call.ticket = self.options.reaper.watch(call.deadline, context.cancel)
         return call
+
+    def _authenticated(self, method: str, metadata: Any) -> tuple[Principal, Principal]:
+        """``authenticate``, failing closed: a credential whose check itself fails (a bug) is
+        AuthError, so the call is UNAUTHENTICATED; the traceback goes to the log, never to the
+        caller, and /metrics counts it (``kvtier_access_gate{what="credential_check_crashed"}``)."""
+        try:
+            return self.authenticate(metadata)
+        except KvtierError:
+            raise
+        except Exception:
+            self.metrics.gate("credential_check_crashed")
+            log.exception("credential check crashed", extra={"event": "credential_check_crashed", "method": method})
+            raise AuthError("the credential could not be verified") from None
 
     def authenticate(self, metadata: Any) -> tuple[Principal, Principal]:
         """The credential a call's token names and the principal the call acts for: the token's
