@@ -133,6 +133,9 @@ class Daemon:
     def _region_counts(self) -> tuple[int, int]:
         return (0, 0) if self.regions is None else self.regions.snapshot()
 
+    def _data_plane_counts(self) -> dict[str, int]:
+        return {} if self._data_plane is None else self._data_plane.counts()
+
     def _revocation_counts(self) -> dict[str, int]:
         sync = self.backend.revocations
         return {} if sync is None else sync.snapshot()
@@ -207,7 +210,8 @@ class Daemon:
                                                                    lambda: self.budget.refused,
                                                                    lambda: self.concurrency.refused,
                                                                    self._revocation_counts,
-                                                                   self._region_counts),
+                                                                   self._region_counts,
+                                                                   self._data_plane_counts),
                                         # /metrics is unauthenticated: it names the public domain only.
                                         labelled_domains=frozenset({self.backend.policy.domain(PUBLIC)}))
             self._metrics_endpoint = MetricsEndpoint(collector, host.strip("[]"), int(port))

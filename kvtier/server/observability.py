@@ -97,6 +97,8 @@ class ServerGauges:
     revocation_sync: Callable[[], dict[str, int]] = dict
     #: Shared-memory regions attached now and their bytes; (0, 0) without a data plane.
     data_plane: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    #: Data-plane connections by outcome (DataPlaneListener.counts); {} without a data plane.
+    data_plane_connections: Callable[[], dict[str, int]] = dict
 
 
 class DaemonCollector(Collector):
@@ -201,7 +203,12 @@ class DaemonCollector(Collector):
         shm.add_metric([], float(regions))
         shm_bytes = GaugeMetricFamily("kvtier_data_plane_bytes", "Bytes of the attached shared-memory regions")
         shm_bytes.add_metric([], float(region_bytes))
-        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync, shm, shm_bytes)
+        conns = CounterMetricFamily("kvtier_data_plane_connections",
+                                    "Data-plane socket connections by outcome (refused, timed_out, crashed, ...)",
+                                    labels=["outcome"])
+        for outcome, n in g.data_plane_connections().items():
+            conns.add_metric([outcome], float(n))
+        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync, shm, shm_bytes, conns)
 
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:
