@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.progress import say
+
 
 def progress(msg: str) -> None:
-    print(f"[kvtier bench] {msg}", file=sys.stderr, flush=True)
+    """A progress line: above the open display of ``benchmarks.progress``, else plain on stderr."""
+    say(msg)
 
 
 def best_seconds(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:

@@ -78,6 +78,7 @@ import torch
 from benchmarks.common import progress, write_json
 from benchmarks.peer_cases import FIRST_TOUCH, CaseRun, Side, Workload
 from benchmarks.peer_report import data_planes, medians, notes, ratios, render
+from benchmarks.progress import Phase, Progress, advance
 from kvtier.errors import ConfigError
 
 #: Phase -> the first-touch state it runs in (the RAM phase: each one asked for).
@@ -163,6 +164,7 @@ def measure(systems: list[Side], w: Workload, ram_touches: tuple[str, ...]) -> l
                     + f" ({time.monotonic() - t0:.0f}s)")
         rec["raw_copy_gbps"] = round(raw_copy_gbps(w), 4)
         rounds.append(rec)
+        advance(f"{len(steps)} phases x {len(systems)} systems")
     return rounds
 
 
@@ -184,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     w = workload(args)
     ram_touches = touches(args)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-peer-", dir=args.workdir) as tmp, ExitStack() as stack:
+        prog = stack.enter_context(Progress("kvtier bench peer", peer_plan(args, w)))
+        prog.phase("start-up")
         systems = sides(args, w, Path(tmp))
         for side in systems:
             stack.callback(side.close)
@@ -195,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
                   "first_touch": {t: FIRST_TOUCH[t] for t in dict.fromkeys((*ram_touches, "cold"))},
                   "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}}
         untimed = {s.name: {t: s.untimed(t) for t in dict.fromkeys((*ram_touches, "cold"))} for s in systems}
+        prog.phase("rounds")
         rounds = measure(systems, w, ram_touches)
     names = [s.name for s in systems]
     peer = "lmcache"
@@ -223,6 +228,14 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, result)
     kvtier_lost = any(m["rounds_failed"] for v in variants.values() for m in v["medians"].get("kvtier", {}).values())
     return 1 if kvtier_lost else 0
+
+
+def peer_plan(args: argparse.Namespace, w: Workload) -> list[Phase]:
+    """The phases and their expected times on the 2-core development machine (the display's
+    estimates; the rounds' is replaced by the rounds measured once one is done): each side's
+    start-up, then every round's phases on both sides."""
+    both = args.only is None
+    return [Phase("start-up", 20 if both else 8), Phase("rounds", (40 if both else 15) * w.rounds, rounds=w.rounds)]
 
 
 def _command(args: argparse.Namespace) -> str:

@@ -70,6 +70,7 @@ from typing import Any
 
 from benchmarks.common import progress, stop_process
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, combine, compare
+from benchmarks.progress import Phase, Progress
 from kvtier.engine.checkpoint import write_checkpoint
 from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.errors import ConfigError, DeadlineExceeded, TierUnavailable
@@ -293,11 +294,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--same-repeats must be at least 1, got {args.same_repeats}")
     serve = serve_bench_plan(args)
     with ExitStack() as stack:
+        prog = stack.enter_context(Progress("kvtier bench vllm", vllm_plan(rounds, serve)))
         if args.workdir:
             work = Path(args.workdir)
             work.mkdir(parents=True, exist_ok=True)
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-")))
+        prog.phase("start-up")
         model = write_model(work / "model")
         dep = LocalDeployment(work / "daemon", server_secret=os.urandom(32).hex().encode())
         # The engine's pages (VLLM_CPU_KVCACHE_SPACE, 2 GiB) attach to the daemon as a region of
@@ -358,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
                 out[who] = complete(kv, prompt, salt) if who == "kvtier" else complete(base, prompt, None)
             return {**out["kvtier"], "first": order[0]}, {**out["vllm"], "first": order[0]}
 
+        prog.phase("rounds")
         for r, (doc, qs) in enumerate(plan):
             progress(f"round {r + 1}/{rounds}: cold")
             cold, ref = alternate("cold", doc + qs[0], salts[0])
@@ -390,12 +394,15 @@ def run(args: argparse.Namespace) -> int:
             same_failed += _delta(before, after, "load_failed_blocks")
             same_full += args.same_repeats * ((len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
             prompt_tokens += (3 + args.same_repeats) * (len(doc) + len(qs[0]))  # cold, 2 warm, the repeats
+            prog.advance(f"kvtier: cold {cold['ttft_ms']:,.0f} ms, last warm {warm['ttft_ms']:,.0f} ms")
         counters = fresh_counters(kv, salts[0])
         match = compare_outputs(rows, refs)
         local_hits = [x["ttft_ms"] for x in refs if x["phase"] == "local_hit"]
         doc_hits = [x["ttft_ms"] for x in refs if x["phase"] == "doc_hit"]
         # `vllm bench serve` as one more tenant, whose blocks nothing before has computed.
         serve_salt = dep.salt("initech", "carol")
+        if serve:
+            prog.phase("vllm bench serve")
         kv_serve = [kvtier_serve_bench(args.vllm_python, kv, model, spec, serve_salt, work)
                     for spec in serve]
         base_serve = [run_serve_bench(args.vllm_python, base, model, spec, serve_salt,
@@ -556,6 +563,13 @@ class ServeBench:
     def expected_hit_tokens(self) -> int:
         """The prefix's full blocks in every prompt after the first ``concurrency`` (those compute it)."""
         return max(0, self.num_prompts - self.concurrency) * (self.prefix_tokens // BLOCK_TOKENS * BLOCK_TOKENS)
+
+
+def vllm_plan(rounds: int, serve: list[ServeBench]) -> list[Phase]:
+    """The phases and their expected times on the 2-core development machine (the display's
+    estimates: a round's is replaced by the rounds measured once one is done)."""
+    return [Phase("start-up", 75), Phase("rounds", 45 * rounds, rounds=rounds),
+            *([Phase("vllm bench serve", 60 * len(serve))] if serve else [])]
 
 
 def serve_bench_plan(args: argparse.Namespace) -> list[ServeBench]:
