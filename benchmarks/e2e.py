@@ -38,12 +38,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.common import progress, stop_process, table, write_json
 from benchmarks.output_match import LOGPROB_TOLERANCE, first_step_diff
+from benchmarks.progress import advance
+from connectors.daemon_cache import DaemonCache
 from connectors.provision import daemon_cache
 from connectors.transformers_connector import Generation, TransformersConnector
 from kvtier.cache.kv_cache import KVCache, RequestSegment
@@ -60,6 +62,9 @@ from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore, TransferObserver
 from storage_backends.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from storage_backends.grpc import GrpcTier, WarmUp
 
 _SECRET = b"kvtier-bench-e2e-server-secret-0123"
 
@@ -118,12 +123,27 @@ class FirstTokenClock(PrefillRunner):
     def __init__(self, runner: PrefillRunner) -> None:
         super().__init__(runner.model, runner.layout)
         self.timings: list[PrefillTiming] = []
+        #: (this thread's CPU seconds, wall seconds) of each prefill, in step with ``timings``.
+        self.cpu_wall: list[tuple[float, float]] = []
 
     def prefill(self, tokens: Sequence[int] | torch.Tensor, past_blocks: Sequence[PastBlock] | None = None, *,
                 extract: bool = True, keep_cache: bool = False) -> PrefillResult:
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
         res = super().prefill(tokens, past_blocks, extract=extract, keep_cache=keep_cache)
+        self.cpu_wall.append((time.thread_time() - cpu0, time.perf_counter() - wall0))
         self.timings.append(res.timing)
         return res
+
+    def cpu_share(self) -> float:
+        """CPU time of this thread over the wall time of the prefills since the last reset. A
+        prefill is pure computation on this thread (one torch thread): near 1 when it had its core
+        to itself, lower when other processes took it."""
+        cpu, wall = (sum(x) for x in zip(*self.cpu_wall, strict=True)) if self.cpu_wall else (0.0, 0.0)
+        return cpu / wall if wall > 0 else 1.0
+
+    def reset(self) -> None:
+        self.timings.clear()
+        self.cpu_wall.clear()
 
     def last_extract_s(self) -> float:
         if not self.timings:
@@ -135,6 +155,8 @@ class FirstTokenClock(PrefillRunner):
 class RequestRow:
     phase: str
     tenant: str
+    #: Which round (a fresh document each) the request belongs to, from 0.
+    round: int
     #: Arrival -> first token's logits (the block extraction for saving is not in it).
     ttft_ms: float
     #: New KV -> blocks for saving, after the first token (``phases_ms["compute"]`` includes it).
@@ -151,6 +173,9 @@ class RequestRow:
     phases_ms: dict[str, float]
     #: The cost model's predicted TTFT of every plan it considered (empty without a cost model).
     predicted_ms: dict[str, float]
+    #: CPU time over wall time of the request's prefills (``FirstTokenClock.cpu_share``): with one
+    #: torch thread, near 1 unless other processes took the core.
+    cpu_share: float
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -190,12 +215,13 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
     reference = TransformersConnector(KVCache(TieredStore([MemoryTier(1 << 20)]), runner.layout,
                                               Policy(DomainDeriver(_SECRET))), clock, save=False)
 
-    def ask(phase: str, who: Principal, doc: list[int], question_seed: int) -> RequestRow:
+    def ask(phase: str, rnd: int, who: Principal, doc: list[int], question_seed: int) -> RequestRow:
         question = _tokens(cfg.question_tokens, spec.vocab_size, question_seed)
         segments = [RequestSegment(doc, ScopeKind.PUBLIC), RequestSegment(question, ScopeKind.USER)]
         conn = TransformersConnector(caches(who), clock, planner=planner)
-        clock.timings.clear()
+        clock.reset()
         got: Generation = conn.generate(who, segments, cfg.new_tokens)
+        cpu_share = clock.cpu_share()
         # Read before the reference request: decoding calls the model directly, not prefill, so
         # the last recorded prefill is the one that produced this request's first token.
         extract_s = clock.last_extract_s()
@@ -204,15 +230,19 @@ def run_scenario(source: KVCache | CacheSource, config: ScenarioConfig | None = 
         ttft_s = r.ttft_s - extract_s
         progress(f"{phase:<4} {who.tenant}: TTFT {ttft_s * 1e3:8.1f} ms (+ {extract_s * 1e3:.1f} ms block "
                  f"extraction after it), plan {r.plan}, reused {r.reused_tokens} / {r.prompt_tokens} tokens")
-        return RequestRow(phase, who.tenant, ttft_s * 1e3, extract_s * 1e3, r.prompt_tokens, r.computed_tokens,
+        return RequestRow(phase, who.tenant, rnd, ttft_s * 1e3, extract_s * 1e3, r.prompt_tokens, r.computed_tokens,
                           r.reused_tokens, r.plan, dict(r.loaded_tokens_by_tier), got.tokens == ref.tokens,
-                          first_step_diff(ref.first_logits, got.first_logits), dict(r.phases_ms), dict(r.predicted_ms))
+                          first_step_diff(ref.first_logits, got.first_logits), dict(r.phases_ms), dict(r.predicted_ms),
+                          cpu_share)
 
     rows: list[RequestRow] = []
     for rnd in range(cfg.repeats):
         doc = _tokens(cfg.doc_tokens, spec.vocab_size, cfg.seed + 1 + 1000 * rnd)
-        rows.append(ask("cold", people[0], doc, cfg.seed + 100 + 1000 * rnd))
-        rows += [ask("warm", p, doc, cfg.seed + 200 + 1000 * rnd + i) for i, p in enumerate([*people[1:], people[0]])]
+        rows.append(ask("cold", rnd, people[0], doc, cfg.seed + 100 + 1000 * rnd))
+        rows += [ask("warm", rnd, p, doc, cfg.seed + 200 + 1000 * rnd + i)
+                 for i, p in enumerate([*people[1:], people[0]])]
+        warm_ms = statistics.median(r.ttft_ms for r in rows[-cfg.tenants:])
+        advance(f"cold {rows[-cfg.tenants - 1].ttft_ms:,.0f} ms, warm median {warm_ms:,.0f} ms")
     cold = [r.ttft_ms for r in rows if r.phase == "cold"]
     warm = [r.ttft_ms for r in rows if r.phase == "warm"]
     total_in = sum(r.prompt_tokens for r in rows)
@@ -382,7 +412,7 @@ class DaemonS3Setup(TierSetup):
 
 def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_bytes: int,
                  disk_bytes: int | None = None, remote: dict[str, Any] | None = None,
-                 security: dict[str, Any] | None = None, observer: TransferObserver | None = None) -> CacheSource:
+                 security: dict[str, Any] | None = None, observer: TransferObserver | None = None) -> DaemonClients:
     """Start ``kvtier serve`` in a subprocess (stopped by ``stack``); one client per principal,
     whose store tells ``observer`` its reads."""
     from benchmarks.localdeploy import LocalDeployment
@@ -406,22 +436,55 @@ def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_by
                          observer=observer)
 
 
+class DaemonClients:
+    """A ``CacheSource`` over a daemon: one client per principal, with the token ``token_for`` mints
+    for it (closed by ``stack``), each store telling ``observer`` its reads.
+
+    Every client is warmed up when it connects (``GrpcTier.warm_up``: connection, domains, the
+    shared-memory region mapped and pre-faulted on both sides), as an engine does at start-up, so
+    no request pays those first-use costs; ``warm_ups`` keeps what each paid. ``connect`` opens the
+    clients of a list of principals ahead of their first request.
+    """
+
+    def __init__(self, stack: ExitStack, address: str, token_for: Callable[[Principal], str], layout: KVLayout,
+                 *, observer: TransferObserver | None = None) -> None:
+        self.stack = stack
+        self.address = address
+        self.token_for = token_for
+        self.layout = layout
+        self.observer = observer
+        self.clients: dict[str, DaemonCache] = {}
+        self.warm_ups: dict[str, WarmUp] = {}
+
+    def __call__(self, p: Principal) -> DaemonCache:
+        if p.id not in self.clients:
+            from storage_backends.grpc import GrpcTierConfig
+
+            cache = daemon_cache(GrpcTierConfig(self.address, self.token_for(p)), self.layout, observer=self.observer)
+            self.stack.callback(cache.close)
+            self.warm_ups[p.id] = cache.client.warm_up()
+            self.clients[p.id] = cache
+        return self.clients[p.id]
+
+    def admin(self, p: Principal) -> GrpcTier:
+        """A client for administrative calls (stats, purge) acting as ``p``: inline, no region."""
+        from storage_backends.grpc import GrpcTier, GrpcTierConfig
+
+        tier = GrpcTier(GrpcTierConfig(self.address, self.token_for(p), data_plane="tcp"))
+        self.stack.callback(tier.close)
+        return tier
+
+    def connect(self, people: Sequence[Principal]) -> dict[str, WarmUp]:
+        """Open (and warm up) the clients of ``people`` now; what each paid, by principal id."""
+        for p in people:
+            self(p)
+        return {p.id: self.warm_ups[p.id] for p in people}
+
+
 def daemon_source(stack: ExitStack, address: str, token_for: Callable[[Principal], str],
-                  layout: KVLayout, *, observer: TransferObserver | None = None) -> CacheSource:
-    """One daemon client per principal, with the token ``token_for`` mints for it (closed by ``stack``);
-    each client's store tells ``observer`` its reads."""
-    from storage_backends.grpc import GrpcTierConfig
-
-    clients: dict[str, PrefixCache] = {}
-
-    def cache_for(p: Principal) -> PrefixCache:
-        if p.id not in clients:
-            cache = daemon_cache(GrpcTierConfig(address, token_for(p)), layout, observer=observer)
-            stack.callback(cache.close)
-            clients[p.id] = cache
-        return clients[p.id]
-
-    return cache_for
+                  layout: KVLayout, *, observer: TransferObserver | None = None) -> DaemonClients:
+    """One daemon client per principal, warmed up when it connects (see DaemonClients)."""
+    return DaemonClients(stack, address, token_for, layout, observer=observer)
 
 
 @contextmanager
