@@ -1,0 +1,129 @@
+"""Node daemons with a [locate] section, as the Locate and fleet suites start them.
+
+Real daemons over real gRPC (and HTTP for the twin). Requests are stored the way an engine
+stores them: through ``connectors.provision.DaemonSource`` with an engine credential acting for
+the request's salt, scoped by the connector's own rule (connectors/scoping.py); public documents
+are published by a ``publish:public`` principal. Nodes of one fleet share the deployment's token
+and salt keys, as a real deployment's nodes do.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.localdeploy import LocalDeployment, toml_text
+from connectors.provision import DaemonSource
+from connectors.scoping import scope_rule
+from kvtier.keys import Scope
+from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.security.policy import ROLE_ROUTER
+from kvtier.security.salts import ROLE_ENGINE
+from kvtier.server.daemon import Daemon
+from kvtier.server.locate import Located, LocateQuery
+from kvtier.server.locate_wire import located_from_msg, query_to_msg
+from storage_backends.grpc import GrpcTier, GrpcTierConfig
+from tests.helpers import SECRET, SMALL, chain_blocks
+
+BT = SMALL.block_tokens
+#: SMALL's layout as a [locate] section. Prefill is priced high (5 ms a token) so that a reload,
+#: even from S3, beats recomputing a prompt of a few blocks: plans then differ by where blocks are.
+LOCATE: dict[str, Any] = {
+    "model_id": SMALL.model_id, "num_layers": SMALL.num_layers, "num_kv_heads": SMALL.num_kv_heads,
+    "head_dim": SMALL.head_dim, "dtype": SMALL.dtype, "block_tokens": BT, "block_shape": "kvtier",
+    "prefill_per_token_us": 5000.0,
+}
+
+
+def deployment(root: Path, *, node: str = "n1", like: LocalDeployment | None = None,
+               locate: dict[str, Any] | None = None, **config: Any) -> LocalDeployment:
+    """A deployment whose daemon answers Locate as ``node``; ``like``: share its token and salt
+    keys (tokens and salts minted by ``like`` work here too)."""
+    dep = LocalDeployment(root, server_secret=SECRET)
+    if like is not None:
+        for name in ("token_key_file", "salt_key_file"):
+            shutil.copyfile(getattr(like, name), getattr(dep, name))
+    dep.write_config(**config)
+    extra = {"node": node, **LOCATE, **(locate or {})}
+    dep.config_file.write_text(dep.config_file.read_text() + toml_text({"locate": extra}))
+    return dep
+
+
+def router(d: Daemon, dep: LocalDeployment) -> GrpcTier:
+    return GrpcTier(GrpcTierConfig(d.address, dep.token("fleet", "router", roles=(ROLE_ROUTER,)), max_attempts=1,
+                                   data_plane="tcp"))
+
+
+def locate(client: GrpcTier, tokens: list[int], salt: str = "", **query: Any) -> Located:
+    return located_from_msg(client.locate(query_to_msg(LocateQuery(tokens=tuple(tokens), salt=salt, **query))))
+
+
+def http_locate(d: Daemon, token: str | None, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST /v1/locate to the daemon's HTTP twin: (status, decoded JSON body)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"http://127.0.0.1:{d.locate_http_port}/v1/locate", data=data, headers=headers,
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def publish(d: Daemon, dep: LocalDeployment, n: int, token_base: int) -> list[int]:
+    """Publish ``n`` public blocks of tokens ``token_base...``; returns those tokens."""
+    pub = GrpcTier(GrpcTierConfig(d.address, dep.token("docs", "publisher", roles=("publish:public",)),
+                                  max_attempts=1, data_plane="tcp"))
+    try:
+        blocks = chain_blocks(n, scope=Scope.public(), token_base=token_base, seed=token_base)
+        assert len(pub.put(blocks).stored) == n
+    finally:
+        pub.close()
+    return list(range(token_base, token_base + n * BT))
+
+
+class Engine:
+    """An engine's view of the node: DaemonSource with an engine credential (closed by ``close``)."""
+
+    def __init__(self, d: Daemon, dep: LocalDeployment, rule: str = "public-registry") -> None:
+        self.root = GrpcTier(GrpcTierConfig(d.address, dep.token("node", "engine", roles=(ROLE_ENGINE,)),
+                                            max_attempts=1, data_plane="tcp"))
+        self.source = DaemonSource(self.root, SMALL)
+        self.rule = scope_rule(rule)
+
+    def store(self, salt: str, tokens: list[int], seed: int = 0) -> int:
+        """Serve the request as the connector does and save its blocks: the private part (the
+        engine never writes a public block). Returns how many blocks the request's chain has."""
+        tenant = self.source.for_salt(salt)
+        assert tenant is not None
+        n = (len(tokens) - 1) // BT
+        found = self.rule.scoped_lookup(tenant.cache, tenant.principal, tokens, n)
+        start = found.prompt.public_blocks
+        gen = torch.Generator().manual_seed(seed)
+        data = [torch.randn(SMALL.block_shape, generator=gen).to(SMALL.torch_dtype)
+                for _ in range(len(found.chain) - start)]
+        if data:
+            tenant.cache.save(tenant.principal, list(found.chain), data, start=start)
+        return len(found.chain)
+
+    def found(self, salt: str, tokens: list[int]) -> int:
+        """What the engine's own lookup finds for the request (the connector's path)."""
+        tenant = self.source.for_salt(salt)
+        assert tenant is not None
+        return self.rule.scoped_lookup(tenant.cache, tenant.principal, tokens, (len(tokens) - 1) // BT).lookup.length
+
+    def close(self) -> None:
+        self.root.close()
+
+
+def stub_request(tokens: list[int], salt: str = "") -> pb.LocateRequest:
+    return pb.LocateRequest(token_ids=tokens, cache_salt=salt)

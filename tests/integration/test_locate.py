@@ -1,0 +1,169 @@
+"""Locate on a real daemon: the HTTP/JSON twin answers what the RPC answers, bad input gets a
+clear error on both, and Locate finds exactly what the engine path stored, under either scope
+rule of the connector (connectors/scoping.py)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.localdeploy import LocalDeployment
+from kvtier.server.daemon import Daemon
+from kvtier.server.locate_wire import located_json
+from tests.integration.locate_rig import BT, Engine, deployment, http_locate, locate, publish, router
+
+ROUTER = ("router",)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[Daemon, LocalDeployment]]:
+    dep = deployment(tmp_path / "n1", memory_bytes=1 << 20, locate={"http_listen": "127.0.0.1:0", "max_tokens": 512})
+    d = Daemon(dep.config()).start()
+    yield d, dep
+    d.stop(grace_s=0)
+
+
+def test_the_http_twin_gives_the_rpcs_answer(node) -> None:
+    d, dep = node
+    engine, r = Engine(d, dep), router(d, dep)
+    token = dep.token("fleet", "router", roles=ROUTER)
+    try:
+        alice = dep.salt("acme", "alice")
+        prompt = publish(d, dep, 2, token_base=100) + list(range(5000, 5000 + 3 * BT + 1))
+        engine.store(alice, prompt)
+        for salt in (alice, ""):
+            status, body = http_locate(d, token, {"token_ids": prompt, "cache_salt": salt})
+            assert status == 200
+            assert body == located_json(locate(r, prompt, salt))
+        # Control: the two salts' answers differ, so the equality above says something.
+        assert http_locate(d, token, {"token_ids": prompt, "cache_salt": alice})[1]["matched_blocks"] == 5
+        assert http_locate(d, token, {"token_ids": prompt})[1]["matched_blocks"] == 2
+        calls = d.metrics.snapshot()["calls"]
+        assert calls["LocateHTTP"] == 4 and calls["Locate"] == 2
+    finally:
+        engine.close()
+        r.close()
+
+
+def test_http_bad_input_gets_a_clear_error(node) -> None:
+    d, dep = node
+    token = dep.token("fleet", "router", roles=ROUTER)
+    ok = {"token_ids": list(range(9))}
+    assert http_locate(d, token, ok)[0] == 200  # control: the well-formed request
+    cases: list[tuple[bytes | dict, int, str]] = [
+        ({"token_ids": [1, -2, 3]}, 400, "token_ids[1]: must be an integer in [0, 4294967295], got -2"),
+        ({"token_ids": [1, "2"]}, 400, "token_ids[1]: must be an integer"),
+        ({"token_ids": [1.5]}, 400, "token_ids[0]: must be an integer"),
+        ({"token_ids": [True]}, 400, "token_ids[0]: must be an integer"),
+        ({"token_ids": [1 << 32]}, 400, "token_ids[0]: must be an integer in [0, 4294967295]"),
+        ({"token_ids": "1,2,3"}, 400, "token_ids: must be a list of integers"),
+        ({"token_ids": list(range(513))}, 400, "token_ids: at most 512 per request, got 513"),
+        ({"token_ids": [1, 2], "prompt": "hi"}, 400, "unknown field(s) ['prompt']"),
+        ({"token_ids": list(range(9)), "cache_salt": "kvs2:acme:alice:" + "0" * 32}, 400,
+         "cache_salt: cache salt has an invalid signature"),
+        ({"token_ids": list(range(9)), "cache_salt": 7}, 400, "cache_salt: must be a string"),
+        ({"keys": ["abc"]}, 400, "keys[0]: must be 112 hex digits"),
+        ({}, 400, "token_ids or keys"),
+        (b"not json", 400, "the body is not JSON"),
+        (b"[1, 2]", 400, "the body must be a JSON object, got list"),
+    ]
+    for body, status, message in cases:
+        got_status, got = http_locate(d, token, body)
+        assert (got_status, got["error"]["code"]) == (status, "INVALID_ARGUMENT"), (body, got)
+        assert message in got["error"]["message"], (body, got)
+    # Credentials: none, forged, and a tenant presenting someone's salt.
+    status, got = http_locate(d, None, ok)
+    assert (status, got["error"]["code"]) == (401, "UNAUTHENTICATED")
+    status, got = http_locate(d, token[:-4] + "AAAA", ok)
+    assert status == 401
+    status, got = http_locate(d, dep.token("acme", "mallory"), {**ok, "cache_salt": dep.salt("acme", "alice")})
+    assert (status, got["error"]["code"]) == (403, "PERMISSION_DENIED") and "not a router's" in got["error"]["message"]
+
+
+def test_http_refuses_what_is_not_a_locate(node) -> None:
+    import urllib.error
+    import urllib.request
+
+    d, dep = node
+    base = f"http://127.0.0.1:{d.locate_http_port}"
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(base + "/v1/locate", timeout=5)
+    assert exc.value.code == 405
+    req = urllib.request.Request(base + "/v1/other", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=5)
+    assert exc.value.code == 404
+    # A body announced larger than 8 MiB is refused before a byte of it is read.
+    conn = http.client.HTTPConnection("127.0.0.1", d.locate_http_port, timeout=5)
+    try:
+        conn.putrequest("POST", "/v1/locate")
+        conn.putheader("Authorization", f"Bearer {dep.token('fleet', 'router', roles=ROUTER)}")
+        conn.putheader("Content-Length", str(9 << 20))
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 413 and "at most 8388608" in json.loads(resp.read())["error"]["message"]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("rule", ["public-registry", "private"])
+def test_locate_finds_what_the_engine_path_stored(tmp_path: Path, rule: str) -> None:
+    dep = deployment(tmp_path / "n", memory_bytes=1 << 20, locate={"scope_rule": rule})
+    d = Daemon(dep.config()).start()
+    engine, r = Engine(d, dep, rule), router(d, dep)
+    try:
+        alice = dep.salt("acme", "alice")
+        prompt = publish(d, dep, 3, token_base=300) + list(range(6000, 6000 + 4 * BT + 3))
+        n = engine.store(alice, prompt)
+        assert n == 7 and engine.found(alice, prompt) == n
+        assert locate(r, prompt, alice).matched_blocks == n
+        # One block more than was stored: the prefix is the stored part, the rest is computed.
+        longer = prompt + list(range(7000, 7000 + BT))
+        got = locate(r, longer, alice)
+        assert (got.requested_blocks, got.matched_blocks) == (8, n)
+    finally:
+        engine.close()
+        r.close()
+        d.stop(grace_s=0)
+
+
+def test_a_node_whose_rule_differs_from_its_engines_finds_nothing_private(tmp_path: Path) -> None:
+    """The control of the test above: the daemon must use its engines' rule. Stored under
+    public-registry (public document, then private), looked up as 'private' (all private)."""
+    dep = deployment(tmp_path / "n", memory_bytes=1 << 20, locate={"scope_rule": "private"})
+    d = Daemon(dep.config()).start()
+    engine, r = Engine(d, dep, "public-registry"), router(d, dep)
+    try:
+        alice = dep.salt("acme", "alice")
+        prompt = publish(d, dep, 3, token_base=400) + list(range(8000, 8000 + 4 * BT + 3))
+        assert engine.store(alice, prompt) == 7 == engine.found(alice, prompt)
+        assert locate(r, prompt, alice).matched_blocks == 0
+    finally:
+        engine.close()
+        r.close()
+        d.stop(grace_s=0)
+
+
+def test_a_daemon_without_a_locate_section_says_so(tmp_path: Path) -> None:
+    import grpc
+
+    from kvtier.rpc import kvtier_pb2 as pb
+    from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+
+    dep = LocalDeployment(tmp_path / "plain")
+    dep.write_config(memory_bytes=1 << 20)
+    d = Daemon(dep.config()).start()
+    ch = grpc.insecure_channel(d.address)
+    try:
+        md = (("authorization", f"Bearer {dep.token('fleet', 'router', roles=ROUTER)}"),)
+        with pytest.raises(grpc.RpcError) as exc:
+            pb_grpc.KvCacheStub(ch).Locate(pb.LocateRequest(token_ids=[1, 2, 3]), metadata=md, timeout=5)
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no [locate] section" in exc.value.details()
+    finally:
+        ch.close()
+        d.stop(grace_s=0)
