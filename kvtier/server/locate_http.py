@@ -108,6 +108,8 @@ class HttpLocate:
 class _Handler(BaseHTTPRequestHandler):
     server_version = "kvtier-locate"
     protocol_version = "HTTP/1.1"
+    #: Seconds a connection may sit idle (or mid-request) before its thread lets it go.
+    timeout = 30
 
     def do_POST(self) -> None:
         if self.path != PATH:

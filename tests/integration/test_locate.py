@@ -167,3 +167,41 @@ def test_a_daemon_without_a_locate_section_says_so(tmp_path: Path) -> None:
     finally:
         ch.close()
         d.stop(grace_s=0)
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_the_http_twin_speaks_tls_as_the_grpc_port_does(tmp_path: Path, mutual: bool) -> None:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from tests.integration.test_daemon import _pki
+
+    _pki(tmp_path)
+    server = {"tls_cert": str(tmp_path / "server_cert.pem"), "tls_key": str(tmp_path / "server_key.pem")}
+    if mutual:
+        server["tls_client_ca"] = str(tmp_path / "ca.pem")
+    dep = deployment(tmp_path / "n", memory_bytes=1 << 20, server=server, locate={"http_listen": "127.0.0.1:0"})
+    d = Daemon(dep.config()).start()
+    body = json.dumps({"token_ids": list(range(9))}).encode()
+    headers = {"Authorization": f"Bearer {dep.token('fleet', 'router', roles=ROUTER)}"}
+
+    def post(scheme: str, ctx: ssl.SSLContext | None) -> int:
+        req = urllib.request.Request(f"{scheme}://localhost:{d.locate_http_port}/v1/locate", data=body,
+                                     headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as resp:
+            return resp.status
+
+    try:
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        if mutual:
+            ctx.load_cert_chain(str(tmp_path / "client_cert.pem"), str(tmp_path / "client_key.pem"))
+        assert post("https", ctx) == 200
+        # Plaintext, and (mutual) a client without a certificate, get no answer.
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            post("http", None)
+        if mutual:
+            with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError, OSError)):
+                post("https", ssl.create_default_context(cafile=str(tmp_path / "ca.pem")))
+    finally:
+        d.stop(grace_s=0)
