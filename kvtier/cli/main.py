@@ -36,6 +36,7 @@ BENCH_HELP: dict[str, str] = {
     "gpu": "transfer engine d2h/h2d throughput vs raw pinned and pageable torch copies",
     "peer": "kvtier's daemon side by side with a peer cache server (--lmcache), bytes verified",
     "results": "record a benchmark's JSON in the recorded results; regenerate the docs' summary",
+    "fleet": "routing policies over a fleet of nodes (--simulate: trace-driven simulation)",
 }
 
 

@@ -1,0 +1,189 @@
+"""The event loop: requests arrive, a policy routes them, nodes queue, prefill, store and decode.
+
+Event order at one instant: node events (a first token, a request leaving) before arrivals, so a
+decision sees every completion up to its own time. All randomness (ties, event loss) comes from
+one ``numpy.random.default_rng(seed)`` per run, so a run is a function of its inputs.
+
+Per request the run records its time to first token (arrival to first token: the router's own
+delay, the queue, reloads and compute), the blocks it reused by tier, its node, and whether stale
+information misrouted it. Only full blocks are cached and counted; the token hit rate is reused
+tokens over all input tokens (partial blocks included in the denominator).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from benchmarks.fleet_sim.events import EventChannel, Staleness
+from benchmarks.fleet_sim.node import Node
+from benchmarks.fleet_sim.policies import POLICIES, PolicyContext
+from benchmarks.fleet_sim.pricing import TIER_NAMES, Pricer
+from benchmarks.fleet_sim.requests import Workload
+from benchmarks.fleet_sim.view import FleetView
+from kvtier.errors import ConfigError
+
+
+@dataclass(slots=True, frozen=True)
+class SimConfig:
+    """A fleet's hardware and the knobs of a run (capacities in the workload's blocks)."""
+
+    gpu_blocks: int
+    ram_blocks: int
+    disk_blocks: int
+    eviction: str = "lru"
+    s3: bool = True
+    staleness: Staleness = field(default_factory=Staleness)
+    #: Decode time per output token (holds the request and its KV; does not slow prefill).
+    tpot_s: float = 0.02
+    metrics_interval_s: float = 0.05
+    locate_s: float = 0.002
+    #: Whether kvtier's Locate knows each engine's GPU prefix cache (policies/kvtier.py).
+    locate_gpu: bool = True
+    seed: int = 1
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One (workload, nodes, policy) run; ``as_json`` is the ``runs`` entry of the JSON."""
+
+    trace: str
+    nodes: int
+    policy: str
+    ttft_s: list[float]
+    input_tokens: int
+    reused_tokens_by_tier: list[int]
+    served: list[int]
+    busy_s: list[float]
+    misroutes: int
+    cross_tenant_hits: int
+    events_sent: int
+    events_lost: int
+    indexer_restarts: int
+
+    @property
+    def token_hit_rate(self) -> float:
+        return sum(self.reused_tokens_by_tier) / self.input_tokens
+
+    def ttft_ms(self, q: float) -> float:
+        return float(np.percentile(np.asarray(self.ttft_s), q)) * 1e3
+
+    @property
+    def max_mean_load(self) -> float:
+        return max(self.served) / (sum(self.served) / len(self.served))
+
+    def as_json(self) -> dict[str, object]:
+        n = len(self.ttft_s)
+        busy_mean = sum(self.busy_s) / len(self.busy_s)
+        return {
+            "trace": self.trace, "nodes": self.nodes, "policy": self.policy,
+            "token_hit_rate": round(self.token_hit_rate, 6),
+            "ttft_p50_ms": round(self.ttft_ms(50), 3), "ttft_p99_ms": round(self.ttft_ms(99), 3),
+            "max_mean_load": round(self.max_mean_load, 4),
+            "ttft_mean_ms": round(float(np.mean(self.ttft_s)) * 1e3, 3),
+            "hit_rate_by_tier": {TIER_NAMES[t]: round(v / self.input_tokens, 6)
+                                 for t, v in enumerate(self.reused_tokens_by_tier)},
+            "max_mean_busy": round(max(self.busy_s) / busy_mean, 4) if busy_mean else None,
+            "misroutes": self.misroutes, "misroute_rate": round(self.misroutes / n, 6),
+            "cross_tenant_hits": self.cross_tenant_hits, "requests": n,
+            "requests_per_node": self.served,
+            "events_sent": self.events_sent, "events_lost": self.events_lost,
+            "indexer_restarts": self.indexer_restarts,
+        }
+
+
+_FIRST_TOKEN, _LEAVE, _ENQUEUE = 0, 1, 2
+
+
+def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pricer: Pricer) -> RunResult:
+    if nodes < 1:
+        raise ConfigError(f"a fleet needs at least one node, got {nodes}")
+    cls = POLICIES.get(policy)
+    if cls is None:
+        raise ConfigError(f"unknown policy {policy!r}; one of {sorted(POLICIES)}")
+    if pricer.block_tokens != workload.block_tokens:
+        raise ConfigError(f"pricer blocks of {pricer.block_tokens} tokens, workload blocks of {workload.block_tokens}")
+    rng = np.random.default_rng(config.seed)
+    fleet = [Node(i, gpu_blocks=config.gpu_blocks, ram_blocks=config.ram_blocks, disk_blocks=config.disk_blocks,
+                  eviction=config.eviction, block_bytes=pricer.block_bytes) for i in range(nodes)]
+    s3: set[int] = set()
+    channel = EventChannel(config.staleness, rng)
+    view = FleetView(fleet, s3, channel, block_tokens=workload.block_tokens,
+                     metrics_interval_s=config.metrics_interval_s, locate_gpu=config.locate_gpu)
+    pol = cls(PolicyContext(view, pricer, rng, config.locate_s))
+    bt = workload.block_tokens
+
+    heap: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, node, request index)
+    seq = 0
+    ttft = [0.0] * len(workload.requests)
+    reused = [0, 0, 0, 0]
+    misroutes = cross = 0
+    writer: dict[int, int] = {}  # private key -> the tenant that first stored it
+    reqs = workload.requests
+
+    def push(t: float, kind: int, node: int, idx: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, kind, seq, node, idx))
+
+    def start(node: Node, now: float) -> None:
+        nonlocal cross
+        head = node.queue[0]
+        tiers = node.tiers_for(head, s3)
+        plan = pricer.plan(head, tiers)
+        req = node.start(plan, tiers)
+        for t in range(4):
+            reused[t] += plan.by_tier[t] * bt
+        for i in range(req.public_blocks, plan.reused):
+            owner = writer.get(req.keys[i])
+            if owner is not None and owner != req.tenant:
+                cross += 1
+        push(now + plan.seconds, _FIRST_TOKEN, node.idx, req.rid)
+
+    nxt = 0
+    while nxt < len(reqs) or heap:
+        if heap and (nxt >= len(reqs) or heap[0][0] <= reqs[nxt].arrival_s):
+            now, kind, _, n, idx = heapq.heappop(heap)
+            node = fleet[n]
+            req = reqs[idx]
+            if kind == _ENQUEUE:
+                if node.enqueue(req):
+                    start(node, now)
+            elif kind == _FIRST_TOKEN:
+                done, events, new_s3 = node.finish_prefill(s3)
+                assert done is req
+                if config.s3:
+                    s3.update(new_s3)
+                for key in req.keys[req.public_blocks:]:
+                    writer.setdefault(key, req.tenant)
+                channel.send(now, n, events)
+                ttft[idx] = now - req.arrival_s
+                pol.first_token(req, n, now)
+                push(now + req.output_tokens * config.tpot_s, _LEAVE, n, idx)
+                if node.queue:
+                    start(node, now)
+            else:
+                node.finish_decode(req)
+                view.inflight[n] -= 1
+                pol.finished(req, n, now)
+            continue
+        req = reqs[nxt]
+        now = req.arrival_s
+        channel.advance(now)
+        choice = pol.choose(req, now)
+        if choice.node != choice.fresh:
+            misroutes += 1
+        view.inflight[choice.node] += 1
+        pol.routed(req, choice.node, now)
+        if pol.decision_delay_s > 0:
+            push(now + pol.decision_delay_s, _ENQUEUE, choice.node, nxt)
+        elif fleet[choice.node].enqueue(req):
+            start(fleet[choice.node], now)
+        nxt += 1
+
+    assert all(n.in_service is None and not n.queue and n.running_tokens == 0 for n in fleet)
+    return RunResult(workload.name, nodes, policy, ttft, sum(r.input_tokens for r in reqs), reused,
+                     [n.served for n in fleet], [n.busy_s for n in fleet], misroutes, cross,
+                     channel.sent, channel.lost, channel.restarts)

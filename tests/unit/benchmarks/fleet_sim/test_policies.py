@@ -1,0 +1,120 @@
+"""Each policy decides as its source says, with its project's defaults."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.fleet_sim.events import STORED, EventChannel, KvEvent, Staleness
+from benchmarks.fleet_sim.node import Node
+from benchmarks.fleet_sim.policies import (
+    POLICIES,
+    CacheAware,
+    CacheAwareConfig,
+    Dynamo,
+    DynamoConfig,
+    Kvtier,
+    LlmD,
+    LlmdConfig,
+    PolicyContext,
+)
+from benchmarks.fleet_sim.pricing import DISK, GPU, RAM
+from benchmarks.fleet_sim.requests import make_request
+from benchmarks.fleet_sim.view import FleetView
+
+
+def _ctx(pricer, n: int = 3, locate_s: float = 0.0) -> PolicyContext:
+    nodes = [Node(i, gpu_blocks=100, ram_blocks=100, disk_blocks=100, eviction="lru", block_bytes=1)
+             for i in range(n)]
+    channel = EventChannel(Staleness(), np.random.default_rng(0))
+    view = FleetView(nodes, set(), channel, block_tokens=512, metrics_interval_s=0.0)
+    return PolicyContext(view, pricer, np.random.default_rng(0), locate_s)
+
+
+def _req(rid: int, content: tuple[int, ...], tokens: int | None = None):
+    return make_request(rid, 0.0, 0, tokens or len(content) * 512, 10, content, len(content))
+
+
+def test_defaults_are_the_projects_own():
+    assert CacheAwareConfig() == CacheAwareConfig(0.3, 64, 1.5, 120.0, 1 << 26)  # vllm-router src/main.rs
+    assert (LlmdConfig().gpu_weight, LlmdConfig().cpu_weight, LlmdConfig().other_weight) == (1.0, 0.8, 1.0)
+    assert (LlmdConfig().prefix_weight, LlmdConfig().kv_utilization_weight, LlmdConfig().queue_weight) == (2, 1, 1)
+    d = DynamoConfig()
+    assert (d.overlap_score_credit, d.host_cache_hit_weight, d.disk_cache_hit_weight) == (1.0, 0.75, 0.25)
+    assert (d.prefill_load_scale, d.decode_active_request_weight) == (1.0, 0.0)
+    assert set(POLICIES) == {"round_robin", "least_loaded", "cache_aware", "llm_d", "dynamo", "kvtier"}
+
+
+def test_cache_aware_keeps_a_prefix_with_the_worker_that_first_got_it(pricer):
+    pol = CacheAware(_ctx(pricer))
+    doc = (11, 12, 13, 14)
+    first = _req(0, (*doc, 20))
+    c = pol.choose(first, 0.0)
+    assert c.node == 0  # nothing matched: the least loaded, first of equals
+    pol.routed(first, 0, 0.0)
+    pol.view.inflight[0] = 5  # busy, but not imbalanced by vllm-router's thresholds (> 64 apart)
+    assert pol.choose(_req(1, (*doc, 30)), 1.0).node == 0
+    pol.view.inflight[:] = [70, 0, 3]  # imbalanced: 70 - 0 > 64 and 70 > 1.5 x 0
+    assert pol.choose(_req(2, (*doc, 40)), 2.0).node == 1
+
+
+def test_cache_aware_below_its_threshold_goes_to_the_least_loaded(pricer):
+    pol = CacheAware(_ctx(pricer))
+    pol.routed(_req(0, (1, 2)), 2, 0.0)
+    pol.view.inflight[:] = [4, 0, 1]
+    # 1 block of 5 matched = 0.2 <= 0.3: not node 2 but the least loaded
+    assert pol.choose(_req(1, (1, 9, 8, 7, 6)), 0.0).node == 1
+    pol.view.inflight[:] = [4, 1, 3]
+    # 1 block of 2 matched = 0.5 > 0.3: node 2, busier or not
+    assert pol.choose(_req(2, (1, 5)), 0.0).node == 2
+
+
+def test_llm_d_weighs_media_as_its_backend_table(pricer):
+    ctx = _ctx(pricer)
+    pol = LlmD(ctx)
+    req = _req(0, (1, 2, 3, 4))
+    # node 0: all four in CPU (0.8 each); node 1: all four on "disk" (not in the table: 1.0)
+    ctx.view.channel.send(0.0, 0, [KvEvent(STORED, k, RAM) for k in req.keys])
+    ctx.view.channel.send(0.0, 1, [KvEvent(STORED, k, DISK) for k in req.keys])
+    scores = pol._scores(ctx.view.channel.index, req, ctx.view.metrics(0.0))
+    assert scores[0] == pytest.approx(2 * 0.8 + 1 + 1) and scores[1] == pytest.approx(2 * 1.0 + 1 + 1)
+    assert scores[2] == pytest.approx(2.0)
+    assert pol.choose(req, 0.0).node == 1
+
+
+def test_dynamo_credits_tiers_and_charges_active_load(pricer):
+    ctx = _ctx(pricer)
+    pol = Dynamo(ctx)
+    req = _req(0, (1, 2, 3, 4))
+    ctx.view.channel.send(0.0, 0, [KvEvent(STORED, k, GPU) for k in req.keys])
+    ctx.view.channel.send(0.0, 1, [KvEvent(STORED, k, RAM) for k in req.keys])
+    credit, depth = pol._overlaps(ctx.view.channel.index, req)
+    assert credit == [4.0, 3.0, 0.0] and depth == [4, 4, 0]
+    # cost = max(0, 4 - credit) + (active blocks + the request's 4 new ones)
+    assert pol._costs(credit, req) == [4.0, 5.0, 8.0]
+    assert pol.choose(req, 0.0).node == 0
+    pol.routed(req, 0, 0.0)
+    assert pol.active_prefill_tokens[0] == 0 and len(pol.active_blocks[0]) == 4
+    other = _req(1, (1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    costs = pol._costs(pol._overlaps(ctx.view.channel.index, other)[0], other)
+    assert costs[0] == 6.0 + 10.0  # its 4 shared blocks are already active there: 4 + 6 new
+    pol.first_token(req, 0, 1.0)
+    pol.finished(req, 0, 2.0)
+    assert len(pol.active_blocks[0]) == 0
+
+
+def test_kvtier_prices_each_node_and_waits_its_queue(pricer):
+    ctx = _ctx(pricer)
+    pol = Kvtier(ctx)
+    req = _req(0, tuple(range(1, 21)), 20 * 512 + 50)
+    ctx.view.nodes[1].ram.keys.update(req.keys)  # node 1's kvtier RAM holds the whole prefix
+    c = pol.choose(req, 0.0)
+    assert c.node == 1 and c.fresh == 1
+    cold = pricer.plan(req, []).seconds
+    warm = pricer.plan(req, [RAM] * 20).seconds
+    assert pol._predicted == [cold, warm, cold] and warm < cold
+    pol.routed(req, 1, 0.0)
+    assert pol.wait_s(1, 0.0) == pytest.approx(warm) and pol.wait_s(0, 0.0) == 0.0
+    assert pol.wait_s(1, warm / 2) == pytest.approx(warm / 2)
+    pol.first_token(req, 1, warm)
+    assert pol.wait_s(1, warm) == 0.0

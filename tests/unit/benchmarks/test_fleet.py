@@ -1,0 +1,57 @@
+"""`kvtier bench fleet`: --simulate writes the documented JSON; without it, a clear error and no
+result (the real-engine mode is not written yet); bad options are clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.cli.main import main
+
+REQUIRED = {"trace", "nodes", "policy", "token_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "max_mean_load"}
+
+
+def test_simulate_writes_the_documented_json(tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    rc = main(["bench", "fleet", "--simulate", "--workload", "multitenant", "--requests", "120", "--nodes", "1,3",
+               "--gpu-gib", "2", "--ram-gib", "4", "--disk-gib", "16", "--load", "0.5", "--json", str(out),
+               "--plot", str(tmp_path / "fleet.png")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "fleet-sim" and doc["command"].startswith("kvtier bench fleet")
+    runs = doc["runs"]
+    assert len(runs) == 2 * 6 and all(set(r) >= REQUIRED for r in runs)
+    assert {r["policy"] for r in runs} == {"round_robin", "least_loaded", "cache_aware", "llm_d", "dynamo", "kvtier"}
+    one = [r for r in runs if r["nodes"] == 1]
+    assert len({r["token_hit_rate"] for r in one}) == 1  # one node: nothing to choose
+    assert doc["references"][0]["ideal_requests"] == 120
+    assert (tmp_path / "fleet.png").stat().st_size > 0
+    assert "kvtier" in capsys.readouterr().out
+
+
+def test_without_simulate_it_says_not_yet_available_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    assert main(["bench", "fleet", "--quick", "--json", str(out)]) == 1
+    assert "not yet available" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "8,x"], "--nodes"),
+    (["--nodes", "0"], "--nodes"),
+    (["--policies", "kvtier,fastest"], "--policies"),
+    (["--trace", "/nonexistent/trace.jsonl"], "not found"),
+    (["--event-loss", "2"], "probability"),
+    (["--requests", "0"], "--requests"),
+])
+def test_bad_options_are_clear_errors(argv, message, tmp_path, capsys):
+    out = tmp_path / "f.json"
+    assert main(["bench", "fleet", "--simulate", "--json", str(out), *argv]) == 1
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_simulate_needs_json(capsys):
+    assert main(["bench", "fleet", "--simulate", "--quick"]) == 1
+    assert "--json" in capsys.readouterr().err
