@@ -18,11 +18,21 @@ every plan must compute (the uncached part of the prompt and the new question to
                      only, so loading it while the front is computed is exact for causal attention.
 
 Every profile is linear in its parameters and is fit by non-negative weighted least squares over
-*cells* (buckets of similar requests) that each hold a moving average of what was observed: a
-short start-up probe seeds the cells, online observations (store transfers, engine prefills)
-update them, and stale cells fade with age. A tier that slows down therefore changes the plan
-after a few requests. Priors (analytic numbers) are weak pseudo-observations, so a profile is
-usable before any measurement and is never singular.
+*cells* (buckets of similar requests) that each stand for the median of their last observations:
+a short start-up probe seeds the cells, online observations (store transfers, engine prefills)
+update them, and stale cells fade with age. An observation far from what its cell (or, for a new
+cell, the fit) expects is held back until a second one agrees, so one slow request (first touch
+after start-up, a pause, a noisy neighbour) never moves a prediction, while a tier that really
+slows down changes the plan after two requests (kvtier.planning.fitting). Priors (analytic
+numbers) are weak pseudo-observations, so a profile is usable before any measurement and is
+never singular.
+
+A belief can still be wrong in a way no further request corrects: a plan the model stops
+choosing produces no evidence. So the model re-probes (bounded exploration): an option not chosen
+for ``reprobe_after`` decisions on the same tiers is chosen once, as a probe, if it is predicted
+within ``1 + reprobe_budget * decisions_since`` of the best (an option believed k times slower is
+retried after about (k - 1) / reprobe_budget decisions, so exploration costs about
+``reprobe_budget`` of a decision per option). ``Plan.reason`` says ``probe`` then.
 """
 
 from __future__ import annotations
@@ -36,7 +46,17 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
-from kvtier.planning.plans import PLAN_STRATEGIES, PURE_PLANS, LoadRun, Plan, PlanContext, PlanOption
+from kvtier.planning.plans import (
+    PLAN_STRATEGIES,
+    PURE_PLANS,
+    REASON_FASTEST,
+    REASON_PROBE,
+    REASON_SIMPLER,
+    LoadRun,
+    Plan,
+    PlanContext,
+    PlanOption,
+)
 from kvtier.planning.profiles import HostToDeviceProfile, PrefillProfile, TierProfile
 
 if TYPE_CHECKING:
@@ -51,7 +71,9 @@ class CostModel:
     tier name; profiles may be shared between cost models of several engines (the tiers are the
     same hardware). Observations may come from any thread; a thread inside ``overlapped()`` is
     loading concurrently with compute, so its transfer times are not fed to the tier profiles
-    (they would make the tier look slower than it is when used alone).
+    (they would make the tier look slower than it is when used alone). Re-probing state
+    (``_idle``: per plan name and lookup tiers, decisions since it was last chosen or reported
+    run) is guarded by ``_lock``; ``plan`` may be called from any thread.
     """
 
     def __init__(
@@ -63,6 +85,8 @@ class CostModel:
         host_to_device: HostToDeviceProfile | None = None,
         front_copies: int = 2,
         mixed_margin: float = 0.05,
+        reprobe_after: int = 16,
+        reprobe_budget: float = 0.02,
     ) -> None:
         if not decrypt_Bps > 0:
             raise ConfigError("CostModel.decrypt_Bps must be positive")
@@ -75,6 +99,16 @@ class CostModel:
         if not 0 <= mixed_margin < 1:
             raise ConfigError("CostModel.mixed_margin must be in [0, 1)")
         self.mixed_margin = mixed_margin
+        if reprobe_after < 0 or not reprobe_budget >= 0:
+            raise ConfigError("CostModel.reprobe_after and reprobe_budget must be >= 0 (reprobe_after=0: never)")
+        #: Decisions an option may go unchosen before it is re-probed (0: never re-probe).
+        self.reprobe_after = reprobe_after
+        #: How much slower than the best (per decision it went unchosen) a re-probe may be predicted.
+        self.reprobe_budget = reprobe_budget
+        self._idle: dict[tuple[str, tuple[str, ...]], int] = {}
+        self.decisions = 0
+        self.probes = 0
+        self._lock = threading.Lock()
         self.prefill = prefill
         self.tiers: dict[str, TierProfile] = dict(tiers)
         self.decrypt_Bps = decrypt_Bps
@@ -171,17 +205,49 @@ class CostModel:
             np.array(lat), np.array(per_block), np.array(ovl),
         )
         options = [o for s in PLAN_STRATEGIES.values() if (o := s.best(ctx)) is not None]
-        return Plan(self._choose(options), tuple(options), lookup.length, layout.block_tokens, new_tokens)
+        tiers = tuple(dict.fromkeys(r.tier for r in lookup.runs))
+        best, reason = self._choose(options)
+        chosen = self._reprobe(options, best, tiers)
+        if chosen is not best:
+            return Plan(chosen, tuple(options), lookup.length, layout.block_tokens, new_tokens, REASON_PROBE,
+                        best.name, tiers)
+        return Plan(best, tuple(options), lookup.length, layout.block_tokens, new_tokens, reason, None, tiers)
 
-    def _choose(self, options: Sequence[PlanOption]) -> PlanOption:
+    def _choose(self, options: Sequence[PlanOption]) -> tuple[PlanOption, str]:
         """The fastest option; a mixed plan (split, pipelined) must beat the best pure plan by
         ``mixed_margin``, because it has more ways to go wrong (two mechanisms, contention)."""
         pure = [o for o in options if o.name in PURE_PLANS]
         best_pure = min(pure, key=lambda o: o.predicted_ms)
         best = min(options, key=lambda o: o.predicted_ms)  # ties: registry order (simplest first)
         if best.name not in PURE_PLANS and best.predicted_ms > best_pure.predicted_ms * (1 - self.mixed_margin):
-            return best_pure
-        return best
+            return best_pure, REASON_SIMPLER
+        return best, REASON_FASTEST
+
+    def _reprobe(self, options: Sequence[PlanOption], best: PlanOption, tiers: tuple[str, ...]) -> PlanOption:
+        """``best``, or the option to re-probe instead (see the module docstring): of the options
+        unchosen for at least ``reprobe_after`` decisions on these tiers and predicted within the
+        budget, the longest unchosen (ties: registry order). Counts this decision for every option."""
+        with self._lock:
+            self.decisions += 1
+            chosen, longest = best, 0
+            for o in options if self.reprobe_after else ():
+                idle = self._idle.get((o.name, tiers), 0)
+                if (o is not best and idle >= self.reprobe_after and idle > longest
+                        and o.predicted_ms <= best.predicted_ms * (1 + self.reprobe_budget * idle)):
+                    chosen, longest = o, idle
+            for o in options:
+                key = (o.name, tiers)
+                self._idle[key] = 0 if o is chosen else self._idle.get(key, 0) + 1
+            if chosen is not best:
+                self.probes += 1
+            return chosen
+
+    def note_run(self, plan: Plan, name: str) -> None:
+        """Option ``name`` of ``plan`` was executed and measured although not chosen (a benchmark
+        measuring every plan): its evidence is fresh, so it needs no re-probe for a while."""
+        plan.option(name)  # KeyError for an option the plan does not have
+        with self._lock:
+            self._idle[(name, plan.tiers)] = 0
 
     def describe(self) -> dict[str, object]:
         return {
@@ -189,30 +255,48 @@ class CostModel:
             "host_to_device": self.host_to_device.describe(),
             "decrypt_GBps": self.decrypt_Bps / 1e9,
             "tiers": {name: p.describe() for name, p in self.tiers.items()},
+            "decisions": self.decisions,
+            "probes": self.probes,
         }
 
 
 # -- analytic profiles ------------------------------------------------------------------------------
+#: One core's memcpy between large host buffers on a current two-socket server (DDR5): 10-20 GB/s.
+#: Host copies in an engine worker run on one core (vLLM starts its workers with one OpenMP thread).
+H200_HOST_COPY_Bps = 15e9
+#: Host -> HBM DMA from pinned memory over PCIe 5 x16.
+H200_PCIE_Bps = 50e9
+
+
 def h200_llama3_8b() -> tuple[CostModel, KVLayout]:
     """An analytic (unmeasured) cost model for Llama-3-8B on one H200; see docs/cost-model.md.
 
     Layout: 32 layers x 8 KV heads x 128 dims x K,V x bf16 = 128 KiB per token. Prefill: 2 x 8e9
     FLOP per token at ~500 TFLOP/s effective (dense bf16, ~50% of peak) = 32 us/token; attention
-    4 x 32 layers x 32 heads x 128 = 0.52 MFLOP per query-key pair at ~400 TFLOP/s = 1.3 ns/pair.
-    Tiers: host DRAM over PCIe 5 x16 (~50 GB/s pinned), local NVMe (~6.5 GB/s), S3 over a 100 Gb/s
-    NIC (~2 GB/s for one request's parallel GETs, ~20 ms first byte). GPU and DMA overlap well.
+    4 x 32 layers x 32 heads x 128 = 0.52 MFLOP per query-key pair at ~400 TFLOP/s = 1.3 ns/pair,
+    with a cache or without (a fused causal kernel: nothing computed and masked away).
+
+    Data path of a reload (kvtier/transfer/engine.py ``load_layers``, connectors/vllm_pages.py):
+    a block read from any tier is a host tensor of its own: the ``cpu`` tier copies it out of its
+    slab (a host copy: the tier's cost), NVMe and S3 read into it. The load then stacks the blocks
+    (a host copy) and, layer by layer, copies each layer into a pinned staging buffer (a host
+    copy) that the DMA engine moves to HBM while the next layer is staged. Assembly therefore
+    costs a stacking copy plus the slower of the staging copy and the DMA per byte. Tiers: host
+    DRAM, local NVMe (~6.5 GB/s), S3 over a 100 Gb/s NIC (~2 GB/s for one request's parallel GETs,
+    ~20 ms first byte). GPU compute and DMA / host copies overlap well.
     """
     layout = KVLayout("meta-llama/Meta-Llama-3-8B", num_layers=32, num_kv_heads=8, head_dim=128,
                       dtype="bfloat16", block_tokens=16)
     prefill = PrefillProfile(fixed_s=8e-3, per_token_s=32e-6, per_pair_s=1.3e-9, per_ctx_token_s=0.0)
     tiers = {
-        # Blocks already sit in pinned host memory: the tier itself costs a lookup, no copy.
-        "cpu": TierProfile("cpu", latency_s=20e-6, bandwidth_Bps=1e12, per_block_s=0.0, overlap=0.05),
+        # The tier copies each block out of its memory: one host copy, a few us of bookkeeping.
+        "cpu": TierProfile("cpu", latency_s=20e-6, bandwidth_Bps=H200_HOST_COPY_Bps, per_block_s=2e-6, overlap=0.05),
         "nvme": TierProfile("nvme", latency_s=100e-6, bandwidth_Bps=6.5e9, per_block_s=2e-6, overlap=0.05),
         "s3": TierProfile("s3", latency_s=20e-3, bandwidth_Bps=2e9, per_block_s=0.0, encrypted=True, overlap=0.05),
     }
-    # Host -> HBM over PCIe 5 x16 from pinned buffers; the engine keeps a computed front in its
-    # own paged cache, so a pipelined plan copies only the loaded back.
-    model = CostModel(prefill, tiers, decrypt_Bps=20e9, host_to_device=HostToDeviceProfile(50e9, fixed_s=50e-6),
+    staged = 1.0 / (1.0 / H200_HOST_COPY_Bps + 1.0 / min(H200_HOST_COPY_Bps, H200_PCIE_Bps))
+    # The engine keeps a computed front in its own paged cache, so a pipelined plan copies only
+    # the loaded back.
+    model = CostModel(prefill, tiers, decrypt_Bps=20e9, host_to_device=HostToDeviceProfile(staged, fixed_s=50e-6),
                       front_copies=0)
     return model, layout

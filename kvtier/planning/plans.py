@@ -54,15 +54,35 @@ class PlanOption:
         return out
 
 
+#: Why a plan was chosen (``Plan.reason``): predicted fastest; the fastest pure plan because no
+#: mixed plan beat it by the margin; or a re-probe of a plan the model had stopped choosing.
+REASON_FASTEST = "fastest"
+REASON_SIMPLER = "simpler"
+REASON_PROBE = "probe"
+
+
 @dataclass(slots=True, frozen=True)
 class Plan:
-    """What the cost model advises for one request: the chosen option and every option considered."""
+    """What the cost model advises for one request: the chosen option and every option considered.
+
+    ``reason`` says why ``chosen`` was chosen (REASON_*); for a re-probe, ``believed_best`` names
+    the plan the model would have chosen otherwise (the probe buys evidence: it is predicted
+    slower). ``tiers`` are the tiers of the lookup, in order (what re-probing keys plans by).
+    """
 
     chosen: PlanOption
     options: tuple[PlanOption, ...]
     cached_blocks: int
     block_tokens: int
     new_tokens: int
+    reason: str = REASON_FASTEST
+    believed_best: str | None = None
+    tiers: tuple[str, ...] = ()
+
+    @property
+    def probe(self) -> bool:
+        """This plan re-probes an option the model had stopped choosing (see CostModel)."""
+        return self.reason == REASON_PROBE
 
     @property
     def name(self) -> str:

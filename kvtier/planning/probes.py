@@ -38,10 +38,13 @@ class ForwardTimer(Protocol):
 #: creates at most one data key for them.
 PROBE_DOMAIN = ScopeDomain(hashlib.sha256(b"kvtier-cost-probe-v1").digest()[:16])
 
-#: (new tokens, context tokens) the prefill probe measures; together well under a second for
-#: the ``small`` model on two CPU cores.
+#: (new tokens, context tokens) the prefill probe measures: fresh prompts, short and long
+#: questions after a cache, and long computations after a cache (a recompute behind a reloaded
+#: front), which separate an engine's masked-attention cost (PrefillProfile). About a second per
+#: repeat for the ``small`` model on one CPU thread.
 PREFILL_PROBE_POINTS: tuple[tuple[int, int], ...] = (
     (16, 0), (64, 0), (256, 0), (1024, 0), (2048, 0), (16, 1024), (16, 4096), (256, 1024), (512, 4096),
+    (1024, 1024), (2048, 64),
 )
 
 
@@ -177,7 +180,7 @@ def _probe_overlap(tier: Tier, prof: TierProfile, compute: Callable[[], float], 
     if errors:
         raise errors[0]
     lo, hi = min(c_alone, l_alone), max(c_alone, l_alone)
-    prof.observe_overlap((both - hi) / lo, alpha=1.0)
+    prof.observe_overlap((both - hi) / lo, calibrate=True)
     return blocks
 
 

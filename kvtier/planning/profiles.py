@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 
 import numpy as np
 
@@ -15,6 +17,9 @@ from kvtier.planning.fitting import OnlineLinearFit, _octave
 #: than one after the other: on a CPU host a loader busy in Python (HTTP clients, decoding) and the
 #: model's Python glue take turns on the interpreter lock, and both compete for the same cores.
 MAX_OVERLAP_PENALTY = 10.0
+#: Observed overlap fractions kept per tier, and how many of them the prior starts as.
+OVERLAP_WINDOW = 5
+OVERLAP_PRIOR_WEIGHT = 2
 
 
 class TierProfile:
@@ -22,9 +27,11 @@ class TierProfile:
 
     Decryption is charged separately by the cost model (``encrypted``), and ``overlap`` is the
     fraction of the shorter of (load, compute) that is *not* hidden when the two run concurrently
-    (0: perfect overlap; 1: fully serialised, e.g. both need the same CPU cores); it is an
-    exponential moving average of observed pipelined runs (up to MAX_OVERLAP_PENALTY: >1 is
-    slower than serial). Thread-safe through its fit and ``_lock``.
+    (0: perfect overlap; 1: fully serialised, e.g. both need the same CPU cores; up to
+    MAX_OVERLAP_PENALTY: >1 is slower than serial). It is the median of a window of observed
+    pipelined runs that starts as ``OVERLAP_PRIOR_WEIGHT`` copies of the prior (or of a probe's
+    measurement), so one disturbed run cannot move it and the prior gives way only to repeated
+    evidence. Thread-safe through its fit and ``_lock``.
     """
 
     def __init__(
@@ -48,7 +55,7 @@ class TierProfile:
             (latency_s, per_block_s, 1.0 / bandwidth_Bps),
             half_life=32.0,
         )
-        self._overlap = overlap
+        self._overlaps: deque[float] = deque([overlap] * OVERLAP_PRIOR_WEIGHT, maxlen=OVERLAP_WINDOW)
         self._lock = threading.Lock()
 
     @property
@@ -66,7 +73,8 @@ class TierProfile:
 
     @property
     def overlap(self) -> float:
-        return self._overlap
+        with self._lock:
+            return float(statistics.median(self._overlaps))
 
     @property
     def observations(self) -> int:
@@ -88,16 +96,23 @@ class TierProfile:
             return
         self._fit.observe((_octave(blocks), _octave(nbytes / blocks)), (1.0, blocks, nbytes), max(seconds, 0.0))
 
-    def observe_overlap(self, fraction: float, alpha: float = 0.3) -> None:
+    def observe_overlap(self, fraction: float, *, calibrate: bool = False) -> None:
+        """One pipelined run's overlap penalty; ``calibrate`` (a start-up probe's deliberate
+        measurement) replaces the prior with it instead of adding one more run."""
+        v = min(max(fraction, 0.0), MAX_OVERLAP_PENALTY)
         with self._lock:
-            self._overlap += alpha * (min(max(fraction, 0.0), MAX_OVERLAP_PENALTY) - self._overlap)
+            if calibrate:
+                self._overlaps.clear()
+                self._overlaps.extend([v] * OVERLAP_PRIOR_WEIGHT)
+            else:
+                self._overlaps.append(v)
 
     def describe(self) -> dict[str, float | str | bool | None]:
         """Parameters in readable units (JSON-safe: an unlimited bandwidth is None)."""
         lat, pb, spb = self.coefficients()
         return {"tier": self.name, "latency_ms": lat * 1e3, "per_block_us": pb * 1e6,
                 "bandwidth_MBps": (1.0 / spb / 1e6) if spb > 0 else None, "encrypted": self.encrypted,
-                "overlap": self._overlap, "observations": self.observations}
+                "overlap": self.overlap, "observations": self.observations, **_fit_counts(self._fit)}
 
 
 def pairs(new: np.ndarray | float, ctx: np.ndarray | float) -> np.ndarray | float:
@@ -106,25 +121,42 @@ def pairs(new: np.ndarray | float, ctx: np.ndarray | float) -> np.ndarray | floa
 
 
 class PrefillProfile:
-    """Prefill cost of one engine+model: ``fixed_s + per_token_s*new + per_pair_s*pairs + per_ctx_token_s*ctx``.
+    """Prefill cost of one engine+model, linear in six parameters::
 
-    The linear term is the weights' matmuls, the pair term attention, the context term reading
-    (and, in eager engines, copying) the cache. Fit from the probe, then online (see OnlineLinearFit).
+        fixed_s + per_token_s * new + per_ctx_token_s * ctx
+          + per_pair_s * pairs(new, 0)                                      (no cache: ctx == 0)
+          + per_cached_pair_s * pairs(new, ctx) + per_masked_pair_s * masked(new)   (ctx > 0)
+
+    The token term is the weights' matmuls, the context term reading (and, in eager engines,
+    copying) the cache, the pair terms attention. Attention has two rates because engines run
+    it through different kernels with and without a cache: a causal kernel skips the upper
+    triangle of a fresh prompt, while an eager engine given a cache passes an explicit mask and
+    computes the whole ``new x (ctx + new)`` rectangle, ``masked(new) = new * (new - 1) / 2``
+    pairs more than causal attention needs (transformers' SDPA path on CPU: 4,080 tokens after
+    16 cached take 1.7x as long as 4,096 from scratch). A fused causal kernel with a cache offset
+    (vLLM, FlashAttention) has ``per_masked_pair_s = 0`` and ``per_cached_pair_s = per_pair_s``,
+    the defaults. Fit from the probe, then online (see OnlineLinearFit).
     """
 
-    def __init__(self, fixed_s: float, per_token_s: float, per_pair_s: float, per_ctx_token_s: float = 0.0) -> None:
+    NAMES = ("fixed_s", "per_token_s", "per_pair_s", "per_cached_pair_s", "per_masked_pair_s", "per_ctx_token_s")
+
+    def __init__(self, fixed_s: float, per_token_s: float, per_pair_s: float, per_ctx_token_s: float = 0.0, *,
+                 per_cached_pair_s: float | None = None, per_masked_pair_s: float = 0.0) -> None:
+        cached = per_pair_s if per_cached_pair_s is None else per_cached_pair_s
         self._fit = OnlineLinearFit(
-            ("fixed_s", "per_token_s", "per_pair_s", "per_ctx_token_s"),
-            (fixed_s, per_token_s, per_pair_s, per_ctx_token_s),
+            self.NAMES,
+            (fixed_s, per_token_s, per_pair_s, cached, per_masked_pair_s, per_ctx_token_s),
             half_life=64.0,
         )
 
     @staticmethod
     def features(new: np.ndarray, ctx: np.ndarray) -> np.ndarray:
-        new = np.asarray(new, dtype=np.float64)
-        ctx = np.asarray(ctx, dtype=np.float64)
-        return np.stack(np.broadcast_arrays(np.ones_like(new * ctx), new, pairs(new, ctx), ctx * np.ones_like(new)),
-                        axis=-1)
+        """Feature rows ``[..., 6]`` in the order of ``NAMES``."""
+        new, ctx = np.broadcast_arrays(np.asarray(new, dtype=np.float64), np.asarray(ctx, dtype=np.float64))
+        cached = ctx > 0
+        p = pairs(new, ctx)
+        return np.stack((np.ones_like(new), new, np.where(cached, 0.0, p), np.where(cached, p, 0.0),
+                         np.where(cached, new * (new - 1) / 2, 0.0), ctx), axis=-1)
 
     def predict(self, new: np.ndarray | int, ctx: np.ndarray | int) -> np.ndarray:
         """Seconds to prefill ``new`` tokens after ``ctx`` cached ones (0 where ``new`` is 0)."""
@@ -144,7 +176,8 @@ class PrefillProfile:
     def describe(self) -> dict[str, float]:
         t = [float(v) for v in self._fit.theta]
         return {"fixed_ms": t[0] * 1e3, "per_token_us": t[1] * 1e6, "per_pair_ns": t[2] * 1e9,
-                "per_ctx_token_ns": t[3] * 1e9, "observations": self.observations}
+                "per_cached_pair_ns": t[3] * 1e9, "per_masked_pair_ns": t[4] * 1e9, "per_ctx_token_ns": t[5] * 1e9,
+                "observations": self.observations, **_fit_counts(self._fit)}
 
 
 class HostToDeviceProfile:
@@ -174,4 +207,11 @@ class HostToDeviceProfile:
 
     def describe(self) -> dict[str, float | None]:
         t = self._fit.theta
-        return {"fixed_ms": float(t[0]) * 1e3, "bandwidth_GBps": (1e-9 / float(t[1])) if t[1] > 0 else None}
+        return {"fixed_ms": float(t[0]) * 1e3, "bandwidth_GBps": (1e-9 / float(t[1])) if t[1] > 0 else None,
+                "observations": self._fit.observations, **_fit_counts(self._fit)}
+
+
+def _fit_counts(fit: OnlineLinearFit) -> dict[str, int]:
+    """How a profile's fit treated its observations (see FitStats): what reports show of it."""
+    st = fit.stats
+    return {"held_back": st.held, "confirmed": st.confirmed, "dropped": st.dropped, "resets": st.resets}

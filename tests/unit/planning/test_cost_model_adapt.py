@@ -15,9 +15,11 @@ from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 from tests.helpers import SMALL, chain_blocks
 
-# An engine that computes a token in 20 us after 1 ms of fixed cost (no model needed here: the
-# subject is the tier side of the model).
-PREFILL = PrefillProfile(1e-3, 20e-6, 1e-9, 0.0)
+# An engine that computes a token in 200 us after 2 ms of fixed cost (no model needed here: the
+# subject is the tier side of the model). Recomputing the test's prefix (about 55 ms) is far from
+# both the healthy link (a memory read of about 1 ms, up to ~15 ms on a loaded shared host) and
+# the throttled one (about 350 ms), so the decisions test the throttle, not the host's noise.
+PREFILL = PrefillProfile(2e-3, 200e-6, 1e-9, 0.0)
 QUICK_PROBE = TierProbe(block_bytes=(512, 8 << 10), counts=(1, 8, 32), repeats=2)
 
 
