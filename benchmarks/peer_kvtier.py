@@ -75,7 +75,7 @@ class KvtierSide:
     def describe(self) -> dict[str, Any]:
         return {"server": "kvtier serve (gRPC daemon)",
                 "client": "storage_backends.grpc.GrpcTier put / get_into (contiguous); connectors.vllm_pages "
-                          "PagedKV gather + put / get_layers into shared pages (paged)",
+                          "PagedKV gather into the region + put / get_layers into shared pages (paged)",
                 "memory_tier_bytes": self.w.memory_bytes,
                 "disk": "LMDB, AES-256-GCM per scope (security.encrypt_disk = true); written when RAM evicts "
                         "(asynchronous spill)",
@@ -238,11 +238,19 @@ class KvtierSide:
         """Gather request ``r``'s pages of every layer (the connector's save), build and put its blocks."""
         t0 = time.perf_counter()
         ids = pages.source_ids(r)
-        host = pages.kv.blocks([pages.kv.gather(layer, ids) for layer in range(self.w.layers)])
         lay = pages.layout
-        blocks = [Block.build(lay, cb.key, cb.domain, host[cb.index], parent=cb.parent, index=cb.index)
-                  for cb in self._chain(tier, seed, r, lay)]
-        res = tier.put(blocks)
+        # As the connector saves: the pages gathered straight into the daemon's region when it has
+        # room (the one host copy before the daemon's), else through staging.
+        staged = tier.region_blocks(len(ids), lay.bytes_per_block)
+        rows = None if staged is None else staged.rows
+        try:
+            host = pages.kv.blocks([pages.kv.gather(layer, ids, rows) for layer in range(self.w.layers)], rows)
+            blocks = [Block.build(lay, cb.key, cb.domain, host[cb.index], parent=cb.parent, index=cb.index)
+                      for cb in self._chain(tier, seed, r, lay)]
+            res = tier.put(blocks)
+        finally:
+            if staged is not None:
+                staged.release()
         seconds = time.perf_counter() - t0
         if res.rejected:
             progress(f"kvtier: the daemon rejected {len(res.rejected)} paged blocks of request {r}")

@@ -31,7 +31,8 @@ class BlockSaver:
         self._lock = lock
         self._stats = stats
         self._on_done = on_done
-        self._queue: queue.Queue[tuple[Any, list[Any]] | None] = queue.Queue(maxsize=max_queued)
+        self._queue: queue.Queue[tuple[Any, list[Any], Callable[[], None] | None] | None] = \
+            queue.Queue(maxsize=max_queued)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending = 0
@@ -41,8 +42,15 @@ class BlockSaver:
         with self._lock:
             return self._pending
 
-    def submit(self, job: Any, tensors: list[Any]) -> None:
-        self._raise_error()
+    def submit(self, job: Any, tensors: list[Any], release: Callable[[], None] | None = None) -> None:
+        """Queue ``job``; ``release`` (if any) is called once it was stored or given up on: the
+        tensors' memory (a slice of the daemon's region, say) may then be reused."""
+        try:
+            self._raise_error()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvtier-vllm-save", daemon=True)
             self._thread.start()
@@ -50,7 +58,7 @@ class BlockSaver:
             self._pending += 1
             if self._queue.full():
                 self._stats["save_backpressure"] += 1
-        self._queue.put((job, tensors))
+        self._queue.put((job, tensors, release))
 
     def flush(self) -> None:
         """Wait until every submitted job has been stored."""
@@ -71,7 +79,12 @@ class BlockSaver:
             try:
                 if item is None:
                     return
-                counts = self._save(*item)
+                job, tensors, release = item
+                try:
+                    counts = self._save(job, tensors)
+                finally:
+                    if release is not None:
+                        release()
                 with self._lock:
                     self._stats.update(counts)
                     self._pending -= 1

@@ -40,7 +40,7 @@ from connectors.daemon_cache import DaemonCache
 from connectors.identity import salt_mapper
 from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.cache.prefix_cache import PrefixCache
-from kvtier.errors import ConfigError
+from kvtier.errors import AccessDenied, ConfigError, TierUnavailable
 from kvtier.keys import ScopeKind
 from kvtier.layout import KVLayout
 from kvtier.security.domain_table import DomainTable
@@ -50,6 +50,7 @@ from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TransferObserver
 
 if TYPE_CHECKING:
+    from kvtier.dataplane.region_blocks import RegionBlocks
     from storage_backends.grpc import GrpcTier, GrpcTierConfig
 
 CONFIG_PREFIX = "kvtier."
@@ -159,6 +160,12 @@ class CacheSource(ABC):
         """Failures its tiers turned into misses (an unreachable daemon, say), by cause: a tier
         degrades to misses without raising, so this is where a connector sees them."""
 
+    def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
+        """Room for a save's ``n`` blocks (a request with ``salt``) where the cache reads them from
+        without a copy (the daemon's shared region, ``RegionBlocks``), or None: the caller stages
+        them itself."""
+        return None
+
 
 def _tier_errors(tiers: Iterable[Tier]) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -221,6 +228,22 @@ class DaemonSource(CacheSource):
         with self._lock:
             tiers = [self.root, *(tier for _, tier in self._tenants.values())]
         return _tier_errors(tiers)
+
+    def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
+        # Every salt's client shares the root's channel, so its Put finds blocks in this region.
+        # The region is attached by a client acting for a salt (an engine credential alone may
+        # not): the salt's, resolved now if this process has not yet (the save resolves it anyway;
+        # a refused or unreachable one stages, and the save counts the refusal).
+        link = self.root.session.current
+        if link is not None:
+            return link.region_blocks(n, block_bytes)
+        try:
+            self.for_salt(salt)
+        except (AccessDenied, TierUnavailable):
+            return None
+        with self._lock:
+            known = self._tenants.get(salt)
+        return None if known is None else known[1].region_blocks(n, block_bytes)
 
     def close(self) -> None:
         with self._lock:

@@ -27,12 +27,16 @@ How vLLM's world maps onto kvtier:
 - Scheduler side: ``get_num_new_matched_tokens`` looks up the request's chain and asks the cost
   model how much to reload; ``update_state_after_alloc`` records the vLLM block ids to load into;
   ``build_connector_meta`` turns the step into load and save jobs (salt, tokens, segments, block
-  ids, and the scheduler's lookup for workers of the same layout).
+  ids, and the scheduler's lookups: with tensor parallelism it looks up every rank's chain, and a
+  load offers only the blocks every rank holds, so no worker looks up again).
 - Worker side (pages move through kvtier's TransferEngine, ``connectors.vllm_pages``):
   ``start_load_kv`` reads the blocks on a thread and queues them layer by layer (host pages:
   that thread copies them, layer by layer); ``wait_for_layer_load`` waits for its own layer;
-  ``save_kv_layer`` queues a gather into pinned staging and returns; ``wait_for_save`` waits for
-  those copies once per step and hands the blocks to a saver thread (``connectors.block_saver``).
+  ``save_kv_layer`` gathers each layer's pages into the save's blocks (through a daemon, in its
+  shared region, so that gather is the one host copy before the daemon's own: host pages are
+  copied there at once, GPU pages go through pinned staging first) and returns; ``wait_for_save``
+  waits for those copies once per step and hands the blocks to a saver thread
+  (``connectors.block_saver``), whose Put sends them as region offsets.
   Blocks that could not be loaded are reported through ``get_block_ids_with_load_errors`` so vLLM
   recomputes them; nothing wrong is ever written into the pages, because the KVCache returns only
   verified blocks.
@@ -43,7 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +71,7 @@ from connectors.vllm_stats import (
 )
 from kvtier.block import Block
 from kvtier.cache.kv_cache import RequestSegment
+from kvtier.dataplane.region_blocks import RegionBlocks
 from kvtier.dataplane.shared_pages import PagesNotShared
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, Overloaded, TierUnavailable
 from kvtier.keys import ChainBlock, ScopeKind
@@ -94,9 +99,10 @@ class BlockJob:
     """Load or save blocks ``[start, end)`` of a request's chain to/from vLLM blocks ``block_ids``.
 
     Carries tokens and scopes, not keys: each worker derives keys with its own layout. A load also
-    carries the scheduler's whole lookup (``found``, under the scheduler's layout ``layout_fp``):
-    a worker with that same layout reads its ``[start, end)`` without looking up again (through
-    a daemon, the lookup carries the daemon's ticket and the daemon walks no tier for it).
+    carries the scheduler's lookups (``found``), one per tensor-parallel rank's layout, keyed by
+    the layout's fingerprint: each worker reads its ``[start, end)`` of its own rank's lookup
+    without looking up again (through a daemon, the lookup carries the daemon's ticket and the
+    daemon walks no tier for it).
     """
 
     req_id: str
@@ -106,11 +112,10 @@ class BlockJob:
     start: int
     end: int
     block_ids: tuple[int, ...]
-    found: Lookup | None = None
-    layout_fp: bytes = b""
-    #: A save: the chain block before ``start`` as the scheduler derived it (under ``layout_fp``),
-    #: so the worker derives only the blocks it saves.
-    after: ChainBlock | None = None
+    found: Mapping[bytes, Lookup] = field(default_factory=dict)
+    #: A save: the chain block before ``start`` as the scheduler derived it, per rank's layout
+    #: fingerprint, so each worker derives only the blocks it saves.
+    after: Mapping[bytes, ChainBlock] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,14 +135,15 @@ class _Match:
     tenant: Tenant
     prompt: ScopedPrompt
     local_tokens: int
+    #: Rank 0's lookup (hit sources, planning); ``found`` holds every rank's, by layout fingerprint.
     lookup: Lookup
     load_blocks: int
     plan: str
-    chain: tuple[ChainBlock, ...] = ()
-
-    @property
-    def cached_blocks(self) -> int:
-        return self.lookup.length
+    #: The leading blocks every rank's lookup found (what kvtier already holds for all of them).
+    cached_blocks: int
+    found: dict[bytes, Lookup]
+    #: The chains the scheduler derived for its lookups, by layout fingerprint.
+    chains: dict[bytes, tuple[ChainBlock, ...]]
 
 
 @dataclass(slots=True)
@@ -149,8 +155,9 @@ class _Tracked:
     block_ids: list[int]
     saved_upto: int
     prompt_blocks: int
-    #: The chain the scheduler derived for its lookup (keys of the first blocks of the prompt).
-    chain: tuple[ChainBlock, ...] = ()
+    #: The chains the scheduler derived for its lookups (keys of the first blocks of the prompt),
+    #: by layout fingerprint: one per tensor-parallel rank.
+    chains: dict[bytes, tuple[ChainBlock, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -280,6 +287,13 @@ class KvtierConnector(KVConnectorBase_V1):
         self.load_enabled = self._kv_transfer_config.is_kv_consumer
         if role == KVConnectorRole.SCHEDULER and self.load_enabled:
             _check_load_failure_policy(self._kv_transfer_config)
+        #: Scheduler, tensor parallelism: every other rank's layout and source, so one lookup per
+        #: rank is made here and travels with the load (workers of ranks above 0 look up nothing).
+        self._ranks: list[tuple[KVLayout, CacheSource]] = []
+        if role == KVConnectorRole.SCHEDULER:
+            for r in range(1, par.tensor_parallel_size):
+                lay = layout_from_vllm(vllm_config, kv_cache_config, tp_rank=r, model_id=self.options.get("model_id"))
+                self._ranks.append((lay, cache_source(self.options, lay)))
         self.block_tokens = self.layout.block_tokens
         self._lock = threading.Lock()
         #: Host pages: how many layers the load thread has copied, and whether it still runs.
@@ -319,6 +333,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._finished_recving: set[str] = set()
         self._paged: PagedKV | None = None
         self._gathers: dict[int, list[Gathered | None]] = {}
+        #: This step's saves whose blocks are gathered into the daemon's region (by save index).
+        self._staged: dict[int, RegionBlocks | None] = {}
         #: Worker side: each running request's chain as far as it was derived (under ``_lock``),
         #: so a step's save derives only its new blocks; dropped when vLLM says the request finished.
         self._chains: dict[str, _Chain] = {}
@@ -363,14 +379,36 @@ class KvtierConnector(KVConnectorBase_V1):
         except AccessDenied:  # revoked or rate-limited principal: served without kvtier
             self.stats["lookup_refused"] += 1
             return 0, False
-        decision = load_decision(self.planner, lookup, len(tokens) - lookup.length * self.block_tokens, self.layout)
+        lookups, chains = {self.layout.fingerprint: lookup}, {self.layout.fingerprint: found.chain}
+        held = self._rank_lookups(salt, prompt, n_blocks, lookup.length, lookups, chains)
+        planned = lookup if held == lookup.length else lookup.slice(0, held)
+        decision = load_decision(self.planner, planned, len(tokens) - held * self.block_tokens, self.layout)
         hit_tokens = decision.blocks * self.block_tokens
         self._matched[request.request_id] = _Match(salt, tenant, prompt, num_computed_tokens, lookup,
-                                                   decision.blocks, decision.plan, found.chain)
+                                                   decision.blocks, decision.plan, held, lookups, chains)
         self.stats[f"plan:{decision.plan}"] += 1
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.load_async
+
+    def _rank_lookups(self, salt: str, prompt: ScopedPrompt, n_blocks: int, held: int,
+                      lookups: dict[bytes, Lookup], chains: dict[bytes, tuple[ChainBlock, ...]]) -> int:
+        """Tensor parallelism: look up every other rank's chain (as far as rank 0 found), into
+        ``lookups`` and ``chains`` by layout fingerprint; the blocks every rank holds. A rank whose
+        lookup fails holds nothing: its blocks are recomputed by all (counted)."""
+        for lay, src in self._ranks:
+            try:
+                tenant = src.for_salt(salt)
+                if tenant is None:
+                    raise AccessDenied("the salt no longer resolves for this rank")
+                chain = scoped_chain(tenant.cache, tenant.principal, prompt, n_blocks)
+                found = tenant.cache.lookup(tenant.principal, chain[:held]) if held else Lookup.miss(0)
+            except (AccessDenied, TierUnavailable):
+                self.stats["rank_lookup_failed"] += 1
+                return 0
+            lookups[lay.fingerprint], chains[lay.fingerprint] = found, tuple(chain)
+            held = min(held, found.length)
+        return held
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         match = self._matched.pop(request.request_id, None)
@@ -384,7 +422,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 raise LayoutMismatch(f"request {request.request_id}: {len(block_ids)} blocks allocated, "
                                      f"kvtier planned blocks [{start}, {end})")
             self._loads_pending.append(BlockJob(request.request_id, match.salt, match.prompt, start, end,
-                                                tuple(block_ids[start:end]), match.lookup, self.layout.fingerprint))
+                                                tuple(block_ids[start:end]), match.found))
             self._hit_sources[request.request_id] = tokens_by_tier(match.lookup, start, end, self.block_tokens)
             self.stats["load_jobs"] += 1
             self.stats["load_tokens"] += num_external_tokens
@@ -392,7 +430,7 @@ class KvtierConnector(KVConnectorBase_V1):
             prompt_blocks = len(match.prompt.tokens) // self.block_tokens
             # Blocks kvtier already holds need no save; the rest are saved once vLLM has computed them.
             self._tracked[request.request_id] = _Tracked(match.salt, match.prompt, [], match.cached_blocks,
-                                                         prompt_blocks, match.chain)
+                                                         prompt_blocks, match.chains)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self._loads_pending, async_loads=self.load_async)
@@ -421,9 +459,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if end <= tr.saved_upto:
             return
         start = tr.saved_upto
-        after = tr.chain[start - 1] if 0 < start <= len(tr.chain) else None
+        after = {fp: chain[start - 1] for fp, chain in tr.chains.items() if 0 < start <= len(chain)}
         meta.saves.append(BlockJob(req_id, tr.salt, tr.prompt, start, end, tuple(tr.block_ids[start:end]),
-                                   layout_fp=self.layout.fingerprint, after=after))
+                                   after=after))
         tr.saved_upto = end
         self.stats["save_jobs"] += 1
 
@@ -555,12 +593,14 @@ class KvtierConnector(KVConnectorBase_V1):
                 tenant = self.source.for_salt(job.salt)
                 if tenant is None:
                     raise AccessDenied(f"request {job.req_id}: its salt no longer resolves")
-                # The scheduler's lookup is this worker's only when both derive keys with one layout;
-                # then its keys need not be derived again (the gate re-checks them for this principal).
-                if job.found is not None and job.layout_fp == self.layout.fingerprint:
-                    blocks = tenant.cache.load_found(tenant.principal, job.found, start=job.start, end=job.end,
+                # The scheduler looked up this worker's rank too (its layout's lookup): its keys need
+                # not be derived again, nor looked up (the gate re-checks them for this principal).
+                found = job.found.get(self.layout.fingerprint)
+                if found is not None:
+                    blocks = tenant.cache.load_found(tenant.principal, found, start=job.start, end=job.end,
                                                      sink=sink)
-                else:
+                else:  # a worker whose layout the scheduler did not look up: derive and read once
+                    counts["load_looked_up_by_worker"] += 1
                     chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
                     blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], sink=sink)
             except (AccessDenied, TierUnavailable, Overloaded) as exc:  # refused or unreachable: recomputed
@@ -633,9 +673,16 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         li = self._layer_index[layer_name]
         for i, job in enumerate(meta.saves):
+            if i not in self._staged:
+                # The save's blocks go where the daemon reads them (its shared region) when there is
+                # room: gathering pages there is then the only host copy before the daemon's.
+                self._staged[i] = self.source.region_blocks(job.salt, len(job.block_ids),
+                                                            self.layout.bytes_per_block)
+            staged = self._staged[i]
             # Queued behind this layer's compute on the copy stream, through the registered view
             # (not ``kv_layer``); nothing here waits for it. wait_for_save waits once per step.
-            self._gathers.setdefault(i, [None] * len(self._layer_index))[li] = self._paged.gather(li, job.block_ids)
+            self._gathers.setdefault(i, [None] * len(self._layer_index))[li] = self._paged.gather(
+                li, job.block_ids, None if staged is None else staged.rows)
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
@@ -647,19 +694,27 @@ class KvtierConnector(KVConnectorBase_V1):
             for name in self._layer_index:
                 self.wait_for_layer_load(name)
         gathers, self._gathers = self._gathers, {}
+        staged_all, self._staged = self._staged, {}
         for i, job in enumerate(meta.saves):
             per_layer = gathers.get(i, [])
+            staged = staged_all.get(i)
             if not per_layer or any(g is None for g in per_layer):
                 for g in per_layer:
                     if g is not None:
                         g.release()
+                if staged is not None:
+                    staged.release()
                 with self._lock:
                     self.stats["save_incomplete"] += 1
                 continue
             assert self._paged is not None
-            # The pages are in host staging once their events have fired: vLLM may reuse the
-            # blocks after this returns, and storing them happens off the step, on the saver.
-            self._saver.submit(job, self._paged.blocks([g for g in per_layer if g is not None]))
+            # The pages are in host memory once their events have fired: vLLM may reuse the blocks
+            # after this returns, and storing them happens off the step, on the saver.
+            blocks = self._paged.blocks([g for g in per_layer if g is not None],
+                                        None if staged is None else staged.rows)
+            with self._lock:
+                self.stats["save_blocks_in_region" if staged is not None else "save_blocks_staged"] += len(blocks)
+            self._saver.submit(job, blocks, None if staged is None else staged.release)
 
     def flush_saves(self) -> None:
         """Wait until every block handed to the saver has been stored (tests, shutdown)."""
@@ -689,7 +744,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def _part(self, job: BlockJob, tenant: Tenant, out: Counter[str]) -> list[ChainBlock]:
         """The chain blocks ``[job.start, job.end)`` of the request, deriving only those: they
         continue from the block before ``start``, which an earlier step of the request derived
-        here, or which the scheduler derived and sent (``job.after``, same layout). Shorter when
+        here, or which the scheduler derived and sent (``job.after``, for this rank's layout). Shorter when
         the principal has no scope of the private kind. ``keys_derived`` counts what was derived."""
         with self._lock:
             known = self._chains.get(job.req_id)
@@ -697,8 +752,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if known is not None and known.salt == job.salt and known.prompt == job.prompt \
                 and known.last.index == job.start - 1:
             prev = known.last
-        elif job.after is not None and job.layout_fp == self.layout.fingerprint and job.after.index == job.start - 1:
-            prev = job.after
+        elif (after := job.after.get(self.layout.fingerprint)) is not None and after.index == job.start - 1:
+            prev = after
         if job.start == 0 or prev is not None:
             part = self._continue(tenant, job, prev)
             out["keys_derived"] += len(part)

@@ -42,6 +42,8 @@ class Gathered:
     transfer: Transfer | None  # the engine's copy into staging (direct layouts)
     host: torch.Tensor | None  # already on the host (other layouts)
     n: int
+    #: Already copied into the save's own blocks (``gather(out=...)``): nothing left to assemble.
+    placed: bool = False
 
     def wait(self) -> None:
         if self.transfer is not None:
@@ -84,21 +86,34 @@ class PagedKV:
         self.shared = SharedPages.share(self.views)
 
     # -- save ---------------------------------------------------------------------------------------
-    def gather(self, layer: int, ids: Sequence[int]) -> Gathered:
+    def gather(self, layer: int, ids: Sequence[int], out: torch.Tensor | None = None) -> Gathered:
+        """Queue a copy of layer ``layer``'s pages ``ids`` to the host. ``out`` (uint8 rows
+        ``[len(ids), layers * page_bytes]``, the save's blocks, e.g. in the daemon's shared region):
+        host pages of a direct layout are copied straight into their place there, now, the save's
+        only copy (``placed``); otherwise they go through staging and ``blocks(out=...)`` puts them there."""
         view = self.views[layer]
+        if out is not None and self.direct and self.host_pages:
+            _copy_runs(page_rows(view), list(ids), out[:, layer * self.page_bytes : (layer + 1) * self.page_bytes])
+            return Gathered(None, None, len(ids), placed=True)
         if self.direct:
             return Gathered(self.engine.gather(view, list(ids)), None, len(ids))
         index = torch.tensor(list(ids), dtype=torch.long, device=view.device)
         return Gathered(None, view[index].to("cpu"), len(ids))
 
-    def blocks(self, per_layer: Sequence[Gathered]) -> list[torch.Tensor]:
-        """Host blocks ``[layers, H, N, C]`` from one save's gathers (one per layer, in order)."""
+    def blocks(self, per_layer: Sequence[Gathered], out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Host blocks ``[layers, H, N, C]`` from one save's gathers (one per layer, in order),
+        assembled in ``out`` (uint8 rows, as for ``gather``) when given, else in new memory."""
         n = per_layer[0].n
-        out = torch.empty((n, len(per_layer), *self.page_shape), dtype=self.dtype)
+        if out is None:
+            out = torch.empty((n, len(per_layer), *self.page_shape), dtype=self.dtype)
+        else:
+            out = out.view(self.dtype).view(n, len(per_layer), *self.page_shape)
         flat = out.view(n, len(per_layer), -1).view(torch.uint8)
         try:
             for layer, g in enumerate(per_layer):
                 g.wait()
+                if g.placed:
+                    continue
                 if g.transfer is not None:
                     flat[:, layer, :].copy_(g.transfer.host_rows())
                 else:
@@ -146,6 +161,18 @@ class PagedKV:
         self.engine.close()
         if self.shared is not None:
             self.shared.close()
+
+
+def _copy_runs(rows: torch.Tensor, ids: list[int], out: torch.Tensor) -> None:
+    """``out[i] = rows[ids[i]]``, one slice copy per run of consecutive ids (no index temporary:
+    ``out`` is strided, a layer's part of each block)."""
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        out[i:j].copy_(rows[ids[i] : ids[i] + (j - i)])
+        i = j
 
 
 def _stacked(blocks: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -32,6 +32,7 @@ import xxhash
 
 from kvtier.block import Block, BlockMeta
 from kvtier.dataplane.layered_read import LayerMajorShare, PlacedShare
+from kvtier.dataplane.region_blocks import RegionBlocks
 from kvtier.dataplane.session import DataPlaneSession, PagesLink, SharedMemoryLink
 from kvtier.dataplane.slices import Slice, SliceLease
 from kvtier.dataplane.typed_views import TypedViews
@@ -509,19 +510,30 @@ class GrpcTier(Tier):
             if shm is not None:
                 shm[1].trim(used[0])
 
+    def region_blocks(self, n: int, block_bytes: int) -> RegionBlocks | None:
+        """Room for ``n`` blocks in this channel's shared region, for a caller that writes them
+        there itself before it Puts them (see RegionBlocks); None without a region or room."""
+        link = self._link()
+        return None if link is None else link.region_blocks(n, block_bytes)
+
     def put(self, blocks: Sequence[Block], *, pins: PinTable = NO_PINS, spill: bool = False,
             degrade: bool = True) -> PutResult:
         """The Tier contract's put; ``degrade=False``: an unreachable, slow or overloaded daemon
-        raises (TierUnavailable, Overloaded...) instead of answering every block rejected."""
+        raises (TierUnavailable, Overloaded...) instead of answering every block rejected.
+
+        Blocks that already lie in this channel's region (``region_blocks``) are sent as their
+        offsets, with no copy; the others are copied into a slice of it (or sent inline)."""
         res = PutResult()
         if not blocks:
             return res
         t0 = time.perf_counter()
         link = self._link()
         try:
-            with nullcontext(None) if link is None else link.slices.slice(sum(b.nbytes for b in blocks)) as share:
+            placed = {} if link is None else _placed(link, blocks)
+            copied = sum(b.nbytes for i, b in enumerate(blocks) if i not in placed)
+            with nullcontext(None) if link is None or not copied else link.slices.slice(copied) as share:
                 try:
-                    resp = self._put_call(blocks, None if share is None else (link, share))
+                    resp = self._put_call(blocks, None if link is None else (link, share, placed))
                 except RegionUnavailable:
                     assert link is not None
                     self._ch.session.lost(link)  # the daemon restarted: this put goes inline
@@ -541,7 +553,8 @@ class GrpcTier(Tier):
         self.metrics.stored(len(res.stored), sum(sizes.get(k, 0) for k in res.stored))
         return res
 
-    def _put_call(self, blocks: Sequence[Block], shm: tuple[SharedMemoryLink, Slice] | None) -> pb.PutResponse:
+    def _put_call(self, blocks: Sequence[Block],
+                  shm: tuple[SharedMemoryLink, Slice | None, dict[int, int]] | None) -> pb.PutResponse:
         chunks = self._chunks(blocks) if shm is None else self._region_chunks(blocks, *shm)
         try:
             return self._put(chunks, timeout=self.config.timeout_s,
@@ -555,37 +568,50 @@ class GrpcTier(Tier):
         for msg, _done in pack_blocks(cpu, self.config.chunk_bytes):
             yield msg
 
-    def _region_chunks(self, blocks: Sequence[Block], link: SharedMemoryLink, share: Slice) -> Iterator[ChunkFrame]:
-        """Blocks copied into this call's share of the region (one small message per run of them,
-        each with the xxh3 the daemon checks after copying it out); those that do not fit, inline."""
-        cursor, end = share.offset, share.offset + share.nbytes
+    def _region_chunks(self, blocks: Sequence[Block], link: SharedMemoryLink, share: Slice | None,
+                       placed: dict[int, int]) -> Iterator[ChunkFrame]:
+        """Blocks copied into this call's share of the region, or named where they already lie in
+        it (``placed``: position -> offset), one small message per run of them, each with the xxh3
+        the daemon checks after copying it out; those that fit in neither, inline."""
+        cursor = start = 0 if share is None else share.offset
+        end = 0 if share is None else share.offset + share.nbytes
         run: list[ChunkFrame] = []
-        start = cursor
+        sent = 0
+        in_place = 0
         for i, b in enumerate(blocks):
             n = b.nbytes
+            at = placed.get(i)
             # A message per few MiB, so the daemon copies one message's blocks out while the next
             # ones are copied in.
-            if run and (cursor + n > end or len(run) >= REGION_RUN or cursor - start >= REGION_MESSAGE_BYTES):
-                start = cursor
+            if run and (len(run) >= REGION_RUN or sent >= REGION_MESSAGE_BYTES
+                        or (at is None and cursor + n > end)):
                 run[0].more = run[1:]
                 yield run[0]
-                run = []
-            if cursor + n > end:
+                run, sent = [], 0
+            if at is not None:  # already in the region: hashed where it lies, not copied
+                checksum = xxhash.xxh3_64_intdigest(memoryview(link.region.window(at, n)))
+                in_place += n
+            elif cursor + n > end:
                 yield from self._chunks([b])
                 continue
-            window = link.region.window(cursor, n)
-            if b.data.device.type == "cpu":
-                checksum = copy_hashed(window, b.data.reshape(-1).view(torch.uint8).numpy())
             else:
-                link.tensor[cursor : cursor + n].copy_(b.data.reshape(-1).view(torch.uint8))  # one DMA to pinned memory
-                checksum = xxhash.xxh3_64_intdigest(memoryview(window))
-            run.append(ChunkFrame(i, meta_to_msg(b.meta), 0, b"", True, checksum, in_region=True,
-                                  region_offset=cursor))
-            cursor += n
+                at = cursor
+                window = link.region.window(cursor, n)
+                if b.data.device.type == "cpu":
+                    checksum = copy_hashed(window, b.data.reshape(-1).view(torch.uint8).numpy())
+                else:
+                    # one DMA to pinned memory
+                    link.tensor[cursor : cursor + n].copy_(b.data.reshape(-1).view(torch.uint8))
+                    checksum = xxhash.xxh3_64_intdigest(memoryview(window))
+                cursor += n
+            run.append(ChunkFrame(i, meta_to_msg(b.meta), 0, b"", True, checksum, in_region=True, region_offset=at))
+            sent += n
         if run:
             run[0].more = run[1:]
             yield run[0]
-        self._ch.session.moved("put", cursor - share.offset)
+        self._ch.session.moved("put", cursor - start)
+        if in_place:
+            self._ch.session.moved("put_in_place", in_place)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         if not keys:
@@ -646,6 +672,16 @@ class GrpcTier(Tier):
         if self._owns_channel:
             self._ch.session.close()
             self._ch.channel.close()
+
+
+def _placed(link: SharedMemoryLink, blocks: Sequence[Block]) -> dict[int, int]:
+    """Positions of the blocks that lie wholly in ``link``'s region, with their offsets."""
+    out = {}
+    for i, b in enumerate(blocks):
+        at = link.offset_of(b.data)
+        if at is not None:
+            out[i] = at
+    return out
 
 
 class _Channel:

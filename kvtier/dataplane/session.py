@@ -26,6 +26,7 @@ import torch
 
 from kvtier.dataplane.handshake import Attached, Hello, read_reply, send_hello
 from kvtier.dataplane.region import SharedRegion
+from kvtier.dataplane.region_blocks import RegionBlocks
 from kvtier.dataplane.slices import SliceAllocator
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.rpc import kvtier_pb2 as pb
@@ -80,6 +81,27 @@ class SharedMemoryLink:
     @property
     def nbytes(self) -> int:
         return self.region.nbytes
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Where ``t`` (a contiguous CPU tensor) lies in the region, if it lies wholly inside it."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        base = self.tensor.data_ptr()
+        off = t.data_ptr() - base
+        n = t.numel() * t.element_size()
+        return off if off >= 0 and off + n <= self.nbytes else None
+
+    def region_blocks(self, n: int, block_bytes: int) -> RegionBlocks | None:
+        """A slice for ``n`` blocks of ``block_bytes`` (see RegionBlocks), or None when the region
+        has no free run that large."""
+        want = n * block_bytes
+        s = self.slices.take(want)
+        if s is None:
+            return None
+        if s.nbytes < want:  # the largest free run is too small: the caller stages elsewhere
+            self.slices.release(s)
+            return None
+        return RegionBlocks(self.tensor, self.slices, s, n, block_bytes)
 
     def note_block_bytes(self, nbytes: int) -> None:
         """A read found blocks of at most ``nbytes`` each: size the next reads by it."""
@@ -177,8 +199,9 @@ class DataPlaneSession:
         self._pages_failed: dict[tuple[int, int], float] = {}
         self._reason = "not attached yet" if mode != "tcp" else "inline by configuration"
         self._lock = threading.Lock()
-        #: Payload bytes moved through the region, by direction ("get", "put").
-        self.moved_bytes = {"get": 0, "put": 0}
+        #: Payload bytes moved through the region, by direction ("get", "put"); "put_in_place":
+        #: bytes a Put found already in the region (RegionBlocks) and sent without a copy.
+        self.moved_bytes = {"get": 0, "put": 0, "put_in_place": 0}
 
     @property
     def current(self) -> SharedMemoryLink | None:

@@ -126,6 +126,80 @@ def test_blocks_beyond_the_share_travel_inline_in_the_same_call(deployment) -> N
     tier.close()
 
 
+def test_blocks_written_into_the_region_are_put_without_a_copy(deployment) -> None:
+    """A save that gathers into ``region_blocks`` makes that its only copy before the daemon's:
+    the Put names the blocks where they lie (counted as put_in_place), copies nothing, and the
+    daemon keeps exactly those bytes. Control: the same blocks from private memory are copied."""
+    dep, daemon = deployment
+    tier = _tier(daemon, dep.token("acme", "alice", session="s1"), data_plane="shm")
+    blocks = chain_blocks(6, layout=MID, scope=Scope.user("acme/alice"))
+    staged = tier.region_blocks(len(blocks), MID.bytes_per_block)
+    assert staged is not None
+    views = staged.blocks(blocks[0].data.dtype, tuple(blocks[0].data.shape))
+    for v, b in zip(views, blocks, strict=True):
+        v.copy_(b.data)  # the caller's one copy (the connector gathers pages here)
+    in_region = [type(b)(b.meta, v) for b, v in zip(blocks, views, strict=True)]
+    assert tier.put(in_region).stored == [b.key for b in blocks]
+    staged.release()
+    total = sum(b.nbytes for b in blocks)
+    assert tier.session.moved_bytes == {"get": 0, "put": 0, "put_in_place": total}
+    got = tier.get([b.key for b in blocks])
+    assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
+    # control: blocks outside the region are copied into it
+    more = chain_blocks(3, layout=MID, scope=Scope.user("acme/alice"), seed=5, token_base=10_000)
+    assert tier.put(more).stored == [b.key for b in more]
+    assert tier.session.moved_bytes["put"] == sum(b.nbytes for b in more)
+    assert tier.session.moved_bytes["put_in_place"] == total
+    tier.close()
+
+
+def test_region_blocks_are_refused_without_room_and_their_slice_comes_back(deployment) -> None:
+    dep, daemon = deployment
+    tier = _tier(daemon, dep.token("acme", "alice", session="s1"), data_plane="shm", region_bytes=1 << 20)
+    assert tier.region_blocks(32, MID.bytes_per_block) is None, "2 MiB of blocks cannot fit a 1 MiB region"
+    link = tier.session.current
+    assert link is not None
+    free = link.slices.free_bytes()
+    staged = tier.region_blocks(4, MID.bytes_per_block)
+    assert staged is not None and link.slices.free_bytes() == free - 4 * MID.bytes_per_block
+    staged.release()
+    staged.release()  # once only: a second release gives nothing back twice
+    assert link.slices.free_bytes() == free
+    tier.close()
+
+
+def test_an_engine_gets_region_blocks_through_a_requests_salt(deployment, tmp_path) -> None:
+    """The engine credential alone may not attach a region (it acts only for a request's
+    principal): the engine's source attaches it through the save's salt, once, and every salt's
+    client then shares it. A refused salt gets no region (the save stages, and is refused later)."""
+    from connectors.provision import DaemonSource, _daemon_root
+
+    dep, daemon = deployment
+    tok = tmp_path / "engine.token"
+    tok.write_text(dep.token("kvtier", "engine", roles=("engine",)))
+    tok.chmod(0o600)
+    bare = _daemon_root({"daemon": daemon.address, "daemon_token_file": str(tok)})
+    assert bare.region_blocks(1, MID.bytes_per_block) is None, "control: no region without a salt"
+    assert "PERMISSION_DENIED" in bare.data_plane
+    bare.close()
+    src = DaemonSource(_daemon_root({"daemon": daemon.address, "daemon_token_file": str(tok)}), MID)
+    assert src.region_blocks("kvs2:acme:alice:" + "0" * 32, 2, MID.bytes_per_block) is None
+    staged = src.region_blocks(dep.salt("acme", "alice"), 2, MID.bytes_per_block)
+    assert staged is not None and src.root.data_plane == "shm"
+    other = src.region_blocks(dep.salt("globex", "bob"), 2, MID.bytes_per_block)
+    assert other is not None and other.rows.data_ptr() != staged.rows.data_ptr()
+    staged.release()
+    other.release()
+    src.close()
+
+
+def test_no_region_blocks_without_a_data_plane(deployment) -> None:
+    dep, daemon = deployment
+    tier = _tier(daemon, dep.token("acme", "alice", session="s1"), data_plane="tcp")
+    assert tier.region_blocks(2, MID.bytes_per_block) is None
+    tier.close()
+
+
 # -- isolation --------------------------------------------------------------------------------------
 def test_a_region_is_a_nameless_memfd_and_the_socket_is_owner_only(deployment) -> None:
     dep, daemon = deployment
@@ -314,7 +388,7 @@ def test_no_data_plane_offered_means_inline_automatically(tmp_path) -> None:
         got = tier.get([b.key for b in blocks])
         assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
         assert tier.data_plane == "inline: the daemon offers no shared-memory data plane"
-        assert tier.session.moved_bytes == {"get": 0, "put": 0}
+        assert tier.session.moved_bytes == {"get": 0, "put": 0, "put_in_place": 0}
         with pytest.raises(DataPlaneUnavailable):
             _tier(daemon, token, data_plane="shm").put(blocks)
         tier.close()

@@ -289,6 +289,9 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     assert sched["no_salt"] == 1, "the request without a salt is counted"
     assert worker.get("load_failed_blocks", 0) == 0 and worker["saved_blocks"] >= FULL // BT
     assert worker["save_jobs_stored"] == worker["save_jobs_submitted"] > 0
+    # One host copy before the daemon's: every saved block was gathered from the pages straight
+    # into the daemon's shared region, and its Put sent offsets (none went through staging).
+    assert worker.get("save_blocks_in_region", 0) >= worker["saved_blocks"] and worker.get("save_blocks_staged", 0) == 0, worker
 
     # (c) publish the document: an operator-side publisher copies alice's computed blocks of it into
     # the public scope through the daemon (the engine never writes a public block itself).

@@ -142,11 +142,12 @@ class StepResult:
     finished_recving: set[str] | None
 
 
-def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: int | None = None) -> StepResult:
-    """One scheduling step that admits ``req`` and prefills it, in vLLM's call order."""
-    matched, is_async = eng.scheduler.get_num_new_matched_tokens(req, 0)
+def schedule(sched: KvtierConnector, req: Request, block_ids: list[int]) -> tuple[SchedulerOutput, int, bool]:
+    """The scheduler's side of one step that admits ``req``: its output (with the connector's
+    metadata), the tokens kvtier matched and whether they load asynchronously."""
+    matched, is_async = sched.get_num_new_matched_tokens(req, 0)
     assert matched is not None
-    eng.scheduler.update_state_after_alloc(req, blocks_of(block_ids), matched)
+    sched.update_state_after_alloc(req, blocks_of(block_ids), matched)
     computed = 0 if is_async else matched
     out = SchedulerOutput.make_empty()
     out.scheduled_new_reqs = [NewRequestData(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
@@ -157,7 +158,14 @@ def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: i
     out.num_scheduled_tokens = {req.request_id: todo}
     out.total_num_scheduled_tokens = todo
     out.has_sync_kv_loads = matched > 0 and not is_async
-    out.kv_connector_metadata = eng.scheduler.build_connector_meta(out)
+    out.kv_connector_metadata = sched.build_connector_meta(out)
+    return out, matched, is_async
+
+
+def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: int | None = None) -> StepResult:
+    """One scheduling step that admits ``req`` and prefills it, in vLLM's call order."""
+    out, matched, is_async = schedule(eng.scheduler, req, block_ids)
+    computed = 0 if is_async else matched
     if fill_seed is not None:
         # "The model" writes KV for the tokens it computes this step (blocks after the loaded ones).
         gen = torch.Generator().manual_seed(fill_seed)
@@ -673,3 +681,81 @@ def test_a_save_after_a_hit_derives_only_the_blocks_it_saves(salt_key_file: str)
     assert eng.worker.stats["saved_blocks"] == 5 and eng.worker.stats["keys_derived"] == 3 + 2
     # The keys continued from the scheduler's block are the chain's own: a fresh request finds all 5.
     assert eng.scheduler.get_num_new_matched_tokens(request("r3", longer, salt), 0) == (5 * BLOCK, False)
+
+
+def _tp_engine(salt_key_file: str) -> tuple[KvtierConnector, list[Engine]]:
+    """One scheduler and the workers of two tensor-parallel ranks (each with its own pages)."""
+    kcc = kv_cache_config()
+    base = vllm_config(salt_key_file)
+    base.parallel_config.tensor_parallel_size = 2
+    sched = KVConnectorFactory.create_connector(base, KVConnectorRole.SCHEDULER, kcc)
+    ranks = []
+    for rank in range(2):
+        cfg = vllm_config(salt_key_file)
+        cfg.parallel_config.tensor_parallel_size = 2
+        cfg.parallel_config.rank = rank
+        worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+        kv = paged_kv()
+        worker.register_kv_caches(kv)
+        ranks.append(Engine(sched, worker, kv))
+    assert isinstance(sched, KvtierConnector)
+    return sched, ranks
+
+
+def _tp_step(sched: KvtierConnector, ranks: list[Engine], req: Request, block_ids: list[int],
+             fill_seed: int | None = None) -> int:
+    """One step of ``req`` through the scheduler and both ranks' workers (each rank's model writes
+    its own KV: a rank's heads differ from the other's)."""
+    out, matched, _ = schedule(sched, req, block_ids)
+    for rank, eng in enumerate(ranks):
+        if fill_seed is not None:
+            gen = torch.Generator().manual_seed(fill_seed + rank)
+            ids = torch.tensor(block_ids[matched // BLOCK :])
+            for t in eng.kv.values():
+                t[ids] = torch.randn((len(ids), *t.shape[1:]), generator=gen).to(t.dtype)
+        w = eng.worker
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        w.start_load_kv(None)
+        for name in LAYER_NAMES:
+            w.wait_for_layer_load(name)
+            w.save_kv_layer(name, eng.kv[name], None)
+        w.wait_for_save()
+        w.flush_saves()
+        assert not w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+    sched.request_finished(req, block_ids)
+    return matched
+
+
+def test_tensor_parallel_ranks_load_the_schedulers_lookup_of_their_own_keys(salt_key_file: str) -> None:
+    """With TP=2 the scheduler looks up both ranks' chains; each worker loads its own rank's blocks
+    from that lookup (no worker looks up), byte for byte, and derives only the keys it saves."""
+    sched, ranks = _tp_engine(salt_key_file)
+    assert ranks[0].worker.layout.fingerprint != ranks[1].worker.layout.fingerprint
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(4 * BLOCK + 1)
+    assert _tp_step(sched, ranks, request("r1", tokens, salt), [0, 1, 2, 3, 4], fill_seed=11) == 0
+    assert [e.worker.stats["keys_derived"] for e in ranks] == [4, 4]
+    assert _tp_step(sched, ranks, request("r2", tokens, salt), [10, 11, 12, 13, 14]) == 4 * BLOCK
+    for eng in ranks:
+        w = eng.worker.stats
+        assert w["loaded_blocks"] == 4 and w.get("load_looked_up_by_worker", 0) == 0
+        for name in LAYER_NAMES:
+            assert torch.equal(eng.kv[name][[10, 11, 12, 13]], eng.kv[name][[0, 1, 2, 3]])
+    assert not torch.equal(ranks[0].kv[LAYER_NAMES[0]][0], ranks[1].kv[LAYER_NAMES[0]][0]), \
+        "control: the ranks' KV differ, so a rank reading the other's blocks would be caught"
+    assert sched.stats.get("rank_lookup_failed", 0) == 0
+
+
+def test_tensor_parallel_load_offers_only_what_every_rank_holds(salt_key_file: str) -> None:
+    """A block rank 1 lacks (evicted, say) is offered to no rank: the hit is the shorter lookup."""
+    sched, ranks = _tp_engine(salt_key_file)
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(4 * BLOCK + 1)
+    _tp_step(sched, ranks, request("r1", tokens, salt), [0, 1, 2, 3, 4], fill_seed=3)
+    # Drop rank 1's last two blocks from its cache (the scheduler's rank-1 source is the same one).
+    tenant = ranks[1].worker.source.for_salt(salt)
+    chain = tenant.cache.chain(tenant.principal, [RequestSegment(tuple(tokens[: 4 * BLOCK]), ScopeKind.USER)])
+    assert tenant.cache.store.delete([cb.key for cb in chain[2:]]) == {"memory": 2}
+    assert _tp_step(sched, ranks, request("r2", tokens, salt), [10, 11, 12, 13, 14]) == 2 * BLOCK
+    assert [e.worker.stats["loaded_blocks"] for e in ranks] == [2, 2]

@@ -47,10 +47,28 @@ def test_a_bug_in_the_saver_surfaces_on_the_submitting_thread() -> None:
     def save(job, tensors):
         raise RuntimeError("bug")
 
+    released: list[int] = []
     saver = BlockSaver(save, threading.Lock(), Counter())
-    saver.submit(0, [])
+    saver.submit(0, [], lambda: released.append(0))
     with pytest.raises(RuntimeError, match="bug"):
         saver.flush()
+    assert released == [0], "the job's memory is given back even when storing it failed"
+    saver.submit(1, [], lambda: released.append(1))  # the thread is gone: nothing stores job 1
+    saver.close()
+
+
+def test_each_jobs_memory_is_released_once_after_it_was_stored() -> None:
+    order: list[str] = []
+
+    def save(job, tensors):
+        order.append(f"save {job}")
+        return Counter()
+
+    saver = BlockSaver(save, threading.Lock(), Counter())
+    for j in range(3):
+        saver.submit(j, [], lambda j=j: order.append(f"release {j}"))
+    saver.flush()
+    assert order == ["save 0", "release 0", "save 1", "release 1", "save 2", "release 2"]
     saver.close()
 
 

@@ -46,3 +46,36 @@ def test_a_read_of_part_of_the_blocks_is_copied_at_once_and_never_announced() ->
     sink = PageSink(kv, [3, 4], told.append)
     sink.layer(0, (0,), rows(data, 0))
     assert told == [] and torch.equal(kv.views[0][3], data[0, 0]) and not kv.views[0][4].any()
+
+
+def _filled() -> PagedKV:
+    kv = paged()
+    gen = torch.Generator().manual_seed(3)
+    for v in kv.views:
+        v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+    return kv
+
+
+def test_a_save_gathers_host_pages_straight_into_its_blocks() -> None:
+    """gather(out=...) copies each layer's pages into the blocks' memory at once (the save's only
+    copy), runs and gaps alike; blocks(out=...) then copies nothing more and returns views of it."""
+    kv, ids = _filled(), [6, 7, 1, 2, 3, 0]  # two runs and a single page
+    block_bytes = LAYERS * kv.page_bytes
+    out = torch.zeros((len(ids), block_bytes), dtype=torch.uint8)
+    gathered = [kv.gather(layer, ids, out) for layer in range(LAYERS)]
+    assert all(g.placed and g.transfer is None for g in gathered)
+    got = kv.blocks(gathered, out)
+    for k, page in enumerate(ids):
+        assert got[k].data_ptr() == out[k].data_ptr(), "the blocks are the memory handed in"
+        for layer in range(LAYERS):
+            assert torch.equal(got[k][layer], kv.views[layer][page])
+
+
+def test_without_a_destination_pages_go_through_staging_and_equal_the_direct_gather() -> None:
+    """Control: the staged path (transfer engine, then assembly) gives the same blocks."""
+    kv, ids = _filled(), [4, 2, 3]
+    staged = kv.blocks([kv.gather(layer, ids) for layer in range(LAYERS)])
+    out = torch.zeros((len(ids), LAYERS * kv.page_bytes), dtype=torch.uint8)
+    direct = kv.blocks([kv.gather(layer, ids, out) for layer in range(LAYERS)], out)
+    assert all(torch.equal(a, b) for a, b in zip(staged, direct, strict=True))
+    assert staged[0].data_ptr() != out[0].data_ptr()

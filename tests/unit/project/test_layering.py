@@ -113,8 +113,8 @@ def test_nothing_under_kvtier_names_benchmarks_or_storage_backends_as_a_module()
 
 
 #: The data plane's modules, both ends: they live in kvtier/dataplane/ and nowhere else.
-DATAPLANE = {"region", "handshake", "session", "layered_read", "listener", "region_table", "region_writer",
-             "shared_pages", "slices", "typed_views"}
+DATAPLANE = {"region", "region_blocks", "handshake", "session", "layered_read", "listener", "region_table",
+             "region_writer", "shared_pages", "slices", "typed_views"}
 
 
 def test_the_data_plane_has_one_home() -> None:
