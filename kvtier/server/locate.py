@@ -30,8 +30,8 @@ Guarantee: every number in the answer is a function of the keys the end principa
 Another tenant's private prefix is never derived (token ids) or ends the prefix before any tier
 is asked (keys), so it is answered exactly as a prefix nobody cached.
 
-The scope rules mirror connectors/scoping.py (``private``, ``public-registry``): a test derives
-keys both ways and compares them, so the two cannot drift apart.
+The scope rules are the engines' own (kvtier/cache/scoping.py, ``private`` or ``public-registry``),
+so the keys looked up here are the keys the engine's connector would look up.
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from kvtier.cache.kv_cache import KVCache, RequestSegment
-from kvtier.errors import AccessDenied, AuthError, InvalidRequest, ScopeError
-from kvtier.keys import LAYOUT_TAG_BYTES, BlockKey, ChainBlock, ScopeKind, key_layout_tag
+from kvtier.cache.kv_cache import KVCache
+from kvtier.cache.scoping import SCOPE_RULES, ScopeRule, scope_rule
+from kvtier.errors import AccessDenied, AuthError, InvalidRequest
+from kvtier.keys import LAYOUT_TAG_BYTES, BlockKey, ScopeKind, key_layout_tag
 from kvtier.layout import KVLayout
 from kvtier.planning.cost_model import CostModel
+from kvtier.planning.load_decision import engine_choice
 from kvtier.planning.plans import Plan, PlanOption
 from kvtier.planning.profiles import HostToDeviceProfile, PrefillProfile
 from kvtier.security.policy import ROLE_ROUTER, Principal, confined
@@ -53,8 +55,6 @@ from kvtier.server.config import LocateConfig
 from kvtier.server.tier_costs import MeasuredTiers
 from kvtier.store.lookup import Lookup, TierRun
 
-#: The scope rules an engine's connector may use (connectors/scoping.py), by name.
-SCOPE_RULES = ("public-registry", "private")
 UINT32_MAX = 0xFFFFFFFF
 
 
@@ -168,6 +168,8 @@ class Locator:
         self.costs = costs
         self.settings = settings
         self.shared_tier = shared_tier
+        #: The engines' own scope rule (kvtier/cache/scoping.py).
+        self.rule: ScopeRule = scope_rule(settings.scope_rule, settings.private_kind.name.lower())
         if shared_tier is not None:
             self.store.tier(shared_tier)  # KeyError now, not at the first query
 
@@ -243,39 +245,15 @@ class Locator:
                 raise InvalidRequest(f"keys[{i}]: not a key of this node's layout ({s.layout.model_id})")
 
     def _scoped_lookup(self, p: Principal, tokens: Sequence[int], n_blocks: int) -> Lookup:
-        """The engine's keys of the first ``n_blocks`` blocks, looked up (connectors/scoping.py):
-        ``public-registry`` makes the published public prefix public and the rest private;
-        ``private`` makes everything private. A principal without a scope of the private kind
-        (the public-only principal) gets the public part alone."""
-        s = self.settings
-        head = list(tokens[: n_blocks * s.layout.block_tokens])
-        public: list[ChainBlock] = []
-        cut = 0
-        if s.scope_rule == "public-registry":
-            try:
-                public = self.cache.chain(p, [RequestSegment(head, ScopeKind.PUBLIC)], layout=s.layout)
-            except AccessDenied:  # a salt whose token does not reach the public scope
-                public = []
-            if public:
-                published = self.cache.lookup(p, public)
-                cut = published.length
-                if cut == len(public):
-                    return published
-        try:
-            rest = self.cache.chain(p, [RequestSegment(head[cut * s.layout.block_tokens :], s.private_kind)],
-                                    layout=s.layout, after=public[cut - 1] if cut else None)
-        except (AccessDenied, ScopeError):  # no scope of the private kind: the public part alone
-            rest = []
-        chain = [*public[:cut], *rest]
-        # Blocks beyond a shorter chain are requested all the same: the engine computes them.
-        return replace(self.cache.lookup(p, chain), requested=n_blocks) if chain else Lookup.miss(n_blocks)
+        """The engine's keys of the first ``n_blocks`` blocks, scoped by the engines' own rule and
+        looked up. Blocks beyond a shorter chain (a principal without a scope of the private kind
+        gets the public part alone) are requested all the same: the engine computes them."""
+        found = self.rule.scoped_lookup(self.cache, p, tokens, n_blocks, self.settings.layout)
+        return replace(found.lookup, requested=n_blocks)
 
     def _chosen(self, plan: Plan) -> PlanOption:
-        """The plan the node's engines would run: the model's choice, or without overlap (an
-        engine that cannot compute while it loads) the fastest plan that does not need it."""
-        if self.settings.overlap or not plan.chosen.overlapped:
-            return plan.chosen
-        return min((o for o in plan.options if not o.overlapped), key=lambda o: o.predicted_ms)
+        """The plan the node's engines would run (``engine_choice``, as their connector decides)."""
+        return engine_choice(plan, self.settings.overlap)
 
     def _shared(self, lookup: Lookup, model: CostModel, new_tokens: int) -> SharedShare | None:
         name = self.shared_tier

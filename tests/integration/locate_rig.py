@@ -2,7 +2,7 @@
 
 Real daemons over real gRPC (and HTTP for the twin). Requests are stored the way an engine
 stores them: through ``connectors.provision.DaemonSource`` with an engine credential acting for
-the request's salt, scoped by the connector's own rule (connectors/scoping.py); public documents
+the request's salt, scoped by the engines' own rule (kvtier/cache/scoping.py); public documents
 are published by a ``publish:public`` principal. Nodes of one fleet share the deployment's token
 and salt keys, as a real deployment's nodes do.
 """
@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.localdeploy import LocalDeployment, toml_text
 from connectors.provision import DaemonSource
-from connectors.scoping import scope_rule
+from kvtier.cache.scoping import scope_rule
 from kvtier.keys import Scope
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.security.policy import ROLE_ROUTER

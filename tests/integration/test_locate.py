@@ -1,6 +1,6 @@
 """Locate on a real daemon: the HTTP/JSON twin answers what the RPC answers, bad input gets a
 clear error on both, and Locate finds exactly what the engine path stored, under either scope
-rule of the connector (connectors/scoping.py)."""
+rule of the engines (kvtier/cache/scoping.py)."""
 
 from __future__ import annotations
 

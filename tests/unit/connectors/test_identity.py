@@ -9,11 +9,12 @@ import torch
 
 from connectors.identity import HmacSaltMapper, TokenSaltMapper, mint_salt, salt_mapper
 from connectors.provision import forget_shared_caches, kvtier_options, shared_cache
-from connectors.scoping import load_decision, scope_rule, scoped_chain
 from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.cache.scoping import scope_rule, scoped_chain
 from kvtier.errors import AuthError, ConfigError
 from kvtier.keys import DomainDeriver, ScopeKind
 from kvtier.layout import KVLayout
+from kvtier.planning.load_decision import load_decision
 from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.security.tokens import HmacKey, MintRequest, TokenVerifier, mint
 from kvtier.store.tiered_store import TieredStore
