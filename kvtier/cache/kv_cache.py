@@ -169,7 +169,11 @@ class KVCache:
         ``keys.Segment`` (absolute scope) is accepted only when its scope is one the principal
         can read, so a caller cannot reach another tenant's scope by naming it. ``after``: the
         segments continue a chain this principal computed, whose last block so far is ``after``
-        (``keys.block_chain``).
+        (``keys.block_chain``). Under the minimum public prefix, a public run at the start that
+        is too short to be shared, followed by the caller's own content, is keyed in that
+        content's scope (``TimingMitigations.rescope``): the request's blocks are then all the
+        caller's, stored by its save and found by its lookup, and whether anyone else cached
+        the document never enters the answer (docs/security.md 2.8).
         """
         self.policy.require_active(principal)
         lay = self.layout(layout)
@@ -180,6 +184,8 @@ class KVCache:
             scope = principal.own_scope(seg.scope) if isinstance(seg, RequestSegment) else seg.scope
             self.gate.require_scope(principal, scope)
             resolved.append(Segment(seg.tokens, scope))
+        if after is None:
+            resolved = self.options.mitigations.rescope(resolved, lay.block_tokens)
         return block_chain(lay, resolved, self.policy.deriver, after)
 
     # -- reads ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from kvtier.keys import (
     BlockKey,
     Scope,
     ScopeDomain,
+    Segment,
     key_domain,
 )
 from kvtier.security.policy import Principal
@@ -34,7 +35,10 @@ class TimingMitigations:
 
     ``min_public_prefix_blocks``: a hit that lies entirely in public blocks is served only when
     it covers at least this many blocks; a shorter one is reported (and loaded) as a miss, so
-    probing whether someone cached a short public prefix yields nothing.
+    probing whether someone cached a short public prefix yields nothing. A chain whose public
+    part is that short is a miss as a whole, whatever follows it; so that a request which starts
+    with a short public document still finds its own blocks, ``rescope`` keys such a document in
+    the caller's own scope (``KVCache.chain`` applies it).
     ``miss_limit`` per ``miss_window_s``: after that many lookups/loads ending in a miss within
     the window, a principal's further lookups and loads are refused (RateLimited) until the
     window slides; the refusal is decided before the lookup, so it carries no hit/miss signal.
@@ -51,6 +55,26 @@ class TimingMitigations:
             raise ConfigError("TimingMitigations.miss_limit must be >= 1 (or None to disable)")
         if self.miss_window_s <= 0:
             raise ConfigError("TimingMitigations.miss_window_s must be positive")
+
+    def rescope(self, segments: Sequence[Segment], block_tokens: int) -> list[Segment]:
+        """``segments`` as a request is keyed under the minimum public prefix: a public run at the
+        start that fills fewer than ``min_public_prefix_blocks`` blocks and is followed by content
+        of another scope takes that scope. Such a run could only ever be served through the
+        caller's own blocks after it, which the rule does not count (``TimingGuard.lookup``);
+        keyed as the caller's own, the caller stores it and finds it again, and whether anyone
+        else cached the document never enters the answer. Longer public runs, and requests that
+        are public throughout (what a publisher stores), are left as they are."""
+        need = self.min_public_prefix_blocks
+        segs = [s for s in segments if len(s.tokens)]
+        lead = 0
+        i = 0
+        while i < len(segs) and segs[i].scope == PUBLIC:
+            lead += len(segs[i].tokens)
+            i += 1
+        if not need or i == len(segs) or not 0 < lead // block_tokens < need:
+            return list(segments)
+        own = segs[i].scope
+        return [Segment(s.tokens, own) for s in segs[:i]] + segs[i:]
 
 
 class MissRateLimiter:
@@ -100,9 +124,9 @@ class TimingGuard:
 
     Invariants: a rate-limit refusal (``admit``) is decided before any tier is touched, so it
     carries no hit/miss signal; ``lookup`` never walks the public blocks of a chain that starts
-    with fewer than ``min_public_prefix_blocks`` of them unless the caller's own continuation is
-    cached; ``count`` is told of every refusal and every hidden hit. Thread-safe (the limiter
-    locks; the rest is stateless).
+    with fewer than ``min_public_prefix_blocks`` (N) of them, whatever follows, nor of a longer
+    one whose N-th block is not cached; ``count`` is told of every refusal and every hidden hit.
+    Thread-safe (the limiter locks; the rest is stateless).
     """
 
     def __init__(
@@ -139,14 +163,18 @@ class TimingGuard:
         return self.mitigations.min_public_prefix_blocks > 0
 
     def lookup(self, keys: Sequence[BlockKey], readable: dict[ScopeDomain, Scope]) -> Lookup:
-        """``store.lookup`` under the minimum public-prefix rule.
+        """``store.lookup`` under the minimum public-prefix rule (N = ``min_public_prefix_blocks``).
 
-        A chain that starts with fewer than ``need`` public blocks gets a public-only hit hidden.
-        Hiding the *result* is not enough: the walk over cached public blocks takes time, so such a
-        probe must not touch the public blocks at all. The store is asked first only for the
-        principal's own block right after the public part; if that is absent (always, for a
-        prober), the answer is a miss without looking at any shared block, in the same time
-        whether the public prefix is cached or not.
+        A chain that starts with public blocks gets a public-only hit shorter than N hidden.
+        Hiding the *result* is not enough: the walk over cached public blocks takes time, so the
+        public blocks are walked only when the chain's N-th block is public and cached. A chain
+        whose public part is shorter than N is a miss without any tier being asked, whatever
+        follows it: the caller picks its keys, so its own block after a public one (a
+        "continuation") says nothing about the caller and is no evidence (issue 32). A longer
+        one costs one probe of block N-1 first: absent, the answer is a miss in the same time
+        whether any earlier public block is cached or not. Block N-1 lies in the public scope,
+        which only a publisher can write, so its presence says that someone cached a public
+        prefix of N blocks: what the rule lets anyone learn.
         """
         need = self.mitigations.min_public_prefix_blocks
         public = 0
@@ -155,15 +183,15 @@ class TimingGuard:
                 if readable.get(key_domain(k)) != PUBLIC:
                     break
                 public += 1
-        if not 0 < public < need:
+        if not public:
             return self.store.lookup(keys)
-        if public == len(keys) or self.store.lookup(keys[public : public + 1]).length == 0:
+        if public < need or self.store.lookup(keys[need - 1 : need]).length == 0:
             self._count("public_probe_hidden", 1)
             return Lookup((), len(keys))
         lk = self.store.lookup(keys)
-        if lk.length <= public:
-            # The principal's own continuation exists but a public block before it does not: the
-            # hit would lie in public blocks only, so it is hidden as well.
+        if lk.length < need:
+            # Block N-1 is cached but one before it is not (evicted): the hit would lie in fewer
+            # than N public blocks, so it is hidden as well.
             self._count("public_hit_suppressed", 1)
             return Lookup((), len(keys))
         return lk

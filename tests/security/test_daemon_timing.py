@@ -61,17 +61,17 @@ def test_short_public_hits_are_hidden_and_per_key_public_gets_miss(guarded) -> N
         assert bob.contains([b.key for b in long_]) == 4
         got = bob.get_prefix([b.key for b in long_])
         assert len(got) == 4 and all(same_bytes(g, b) for g, b in zip(got, long_, strict=True))
-        # Bob's own continuation of the short prefix makes it his hit: served through it.
+        # Bob's own blocks after the short prefix are no evidence (issue 32): still a miss.
         mine = _chain(bob, 2, 2, seed=1)
         assert [b.key for b in mine[:2]] == [b.key for b in short]
         assert bob.put(mine[2:]).stored == [b.key for b in mine[2:]]
-        assert bob.contains([b.key for b in mine]) == 4
+        assert bob.contains([b.key for b in mine]) == 0
         # Per-key gets: public keys are misses without a tier read, his own blocks are served.
         each = bob.get([long_[0].key, mine[2].key, short[1].key])
         assert each[0] is None and each[2] is None
         assert each[1] is not None and same_bytes(each[1], mine[2])
         seen = daemon.metrics.snapshot()["mitigations"]
-        assert seen["public_probe_hidden"] == 2 and seen["public_key_get_hidden"] == 2
+        assert seen["public_probe_hidden"] == 3 and seen["public_key_get_hidden"] == 2
     finally:
         alice.close()
         bob.close()

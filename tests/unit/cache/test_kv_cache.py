@@ -9,7 +9,7 @@ import torch
 
 from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, RateLimited, ScopeError
-from kvtier.keys import PUBLIC, Scope, Segment, key_domain
+from kvtier.keys import PUBLIC, Scope, Segment, block_chain, key_domain
 from kvtier.layout import KVLayout
 from kvtier.security.policy import Policy
 from kvtier.security.timing import TimingMitigations
@@ -24,6 +24,7 @@ from tests.security.builders import (
     CURATOR,
     HISTORY,
     MANUAL,
+    QUESTION,
     CacheRig,
     request,
     tensors,
@@ -171,24 +172,33 @@ def test_several_layouts_never_meet(tmp_path) -> None:
 def test_min_public_prefix_hides_short_public_hits(tmp_path) -> None:
     rig = CacheRig(tmp_path, ("memory",), mitigations=TimingMitigations(min_public_prefix_blocks=3))
     try:
-        rig.save_request(ALICE)
-        probe = rig.cache.chain(BOB, request(history=list(range(7000, 7000 + 2 * BT))))
-        # Bob's request shares the 2 public blocks with what is cached; 2 < 3, so he sees a miss.
+        manual = [RequestSegment(MANUAL, "public")]
+        rig.cache.save(CURATOR, rig.cache.chain(CURATOR, manual), tensors(2))
+        # The 2 public blocks alone: 2 < 3, so a reader without the publish role sees a miss.
+        probe = rig.cache.chain(BOB, manual)
         assert rig.cache.lookup(BOB, probe).length == 0
         assert rig.cache.load(BOB, probe) == []
         assert rig.cache.snapshot()["public_probe_hidden"] == 2
-        # Alice's own chain continues into her private blocks: the hit is served.
-        assert rig.cache.lookup(ALICE, rig.cache.chain(ALICE, request())).length == 5
-        # Alice's continuation exists but a public block before it was evicted: still hidden.
+        # Keys picked by hand: bob's own block after the public ones is no evidence (issue 32).
+        picked = block_chain(SMALL, [Segment(MANUAL, PUBLIC), Segment(QUESTION, BOB.own_scope("user"))], DERIVER)
+        rig.cache.save(BOB, picked, tensors(3))
+        assert rig.cache.lookup(BOB, picked).length == 0
+        assert rig.cache.snapshot()["public_probe_hidden"] == 3
+        # Through chain(), a request that starts with the short manual keys it as the caller's
+        # own: alice's save stores all of it and her lookup finds all of it.
         mine = rig.cache.chain(ALICE, request())
-        rig.store.delete([mine[1].key])
-        assert rig.cache.lookup(ALICE, mine).length == 0
-        assert rig.cache.snapshot()["public_hit_suppressed"] == 1
+        assert [c.scope for c in mine] == [ALICE.own_scope("user")] * 5
+        assert rig.cache.save(ALICE, mine, tensors(5)).not_published == ()
+        assert rig.cache.lookup(ALICE, rig.cache.chain(ALICE, request())).length == 5
         # A long enough public prefix is served to anyone.
         long_manual = [RequestSegment(list(range(3000, 3000 + 4 * BT)), "public")]
         pub = rig.cache.chain(CURATOR, long_manual)
         rig.cache.save(CURATOR, pub, tensors(4))
         assert rig.cache.lookup(BOB, rig.cache.chain(BOB, long_manual)).length == 4
+        # Its third block is cached but its first was evicted: the hit would be shorter than 3.
+        rig.store.delete([pub[0].key])
+        assert rig.cache.lookup(BOB, rig.cache.chain(BOB, long_manual)).length == 0
+        assert rig.cache.snapshot()["public_hit_suppressed"] == 1
     finally:
         rig.close()
 
