@@ -3,7 +3,7 @@ or layer by layer, back to back or at places the caller names), and the chunks t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,23 +59,31 @@ class RegionWriter:
     together (``BlockChunk.placed``: positions, parents and indices beside one meta), not a chunk
     each: per block, that is a few list entries instead of a message to build, send and check.
 
+    ``still_active`` is the access gate's check that the Get's principal may still read (it
+    raises to end the stream): asked before every copy into the region, block by block, and
+    before ``drain`` describes blocks and before each group of layers it copies. So a Get that
+    is revoked while it runs writes and announces nothing more (docs/security.md 2.3), whether
+    its bytes go block by block or layer by layer.
+
     Invariants: every byte written lies in ``[offset, offset + nbytes)``, which lies in the region
-    (checked once, here); chunks leave in the order their blocks were placed, and a client takes
-    a block only once it is whole. The caller keeps the placed items pinned until ``drain`` has
-    run. One per Get stream, used by its thread only.
+    (checked once, here); no byte is written unless ``still_active`` has just passed; chunks leave
+    in the order their blocks were placed, and a client takes a block only once it is whole. The
+    caller keeps the placed items pinned until ``drain`` has run. One per Get stream, used by its
+    thread only.
     """
 
-    __slots__ = ("_block", "_cursor", "_drained", "_end", "_first", "_items", "_layers", "_pending",
+    __slots__ = ("_active", "_block", "_cursor", "_drained", "_end", "_first", "_items", "_layers", "_pending",
                  "_pending_bytes", "_placed", "_placement", "_region", "_start")
 
     def __init__(self, region: SharedRegion, offset: int, nbytes: int, layers: int = 0,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, *, still_active: Callable[[], None]) -> None:
         region.window(offset, nbytes)  # InvalidRequest unless the window lies in the region
         if not 0 <= layers <= MAX_REGION_LAYERS:
             raise InvalidRequest(f"region_layers must be 0..{MAX_REGION_LAYERS}, got {layers}")
         if placement is not None and (not layers or placement.stride <= 0):
             raise InvalidRequest("block_offsets need region_layers and a positive layer_stride")
         self._region = region
+        self._active = still_active
         self._start = self._cursor = offset
         self._end = offset + nbytes
         self._layers = layers
@@ -119,6 +127,7 @@ class RegionWriter:
                 return True
         payload, checksum = _payload(item)
         if not self._layers:
+            self._active()  # before the block's bytes land where the client reads them
             np.copyto(self._region.window(place, n), np.frombuffer(payload, dtype=np.uint8))
         self._pending.append(ChunkFrame(position, meta_to_msg(meta), 0, b"", True, checksum, in_region=True,
                                         region_offset=place))
@@ -161,6 +170,7 @@ class RegionWriter:
             return
         self._drained = True
         items, self._items = self._items, []
+        self._active()  # the stream may have waited on the client since the blocks were placed
         if not items:
             yield from self.take()
             return
@@ -182,6 +192,9 @@ class RegionWriter:
         # One copy per block and group of layers (those between two progress points), not per
         # layer: fewer calls; nothing is reported in between.
         for ready in sorted(progress_points(self._layers)):
+            # Asked again before each group: the client may have taken its time over the last
+            # message, and a revocation since then ends the Get before more layers land.
+            self._active()
             for dst, src in pairs:
                 np.copyto(dst[done:ready], src[done:ready])
             done = ready

@@ -19,7 +19,8 @@ where a step says it reads the store):
 - delete:        ``require_delete(p, domains)``.  list: ``require_list(p, domain)``.
 - purge:         ``require_purge(actor, scope)``.  stats: ``visible_domains(p)``, ``sees_totals(p)``.
 - write answers:  ``reveals_presence(p)``: may a write say "already present" rather than "stored".
-- streams:       ``require_still_active(p)`` before every message of a read stream.
+- streams:       ``require_still_active(p)`` before every message of a read stream, and before every
+                 copy into the caller's shared-memory region (each block, each group of layers).
 - every call:    ``require_method(p, method)`` first: a confined role (``router``) calls only its methods.
 
 Rules (docs/security.md): a key's scope domain is its routing prefix, never a field a caller
@@ -245,8 +246,9 @@ class AccessGate:
         return False
 
     def require_still_active(self, p: Principal) -> None:
-        """Re-checked before every message of a read stream: a stream opened before a revocation
-        ends (PERMISSION_DENIED) at its next message."""
+        """Re-checked before every message of a read stream and before every copy into the
+        caller's region: a stream opened before a revocation ends (PERMISSION_DENIED) at its
+        next message or copy, a Get laid out by layers at its next group of layers."""
         if not self.policy.is_active(p):
             self._count("revoked_mid_stream", 1)
             raise AccessDenied(f"principal {p.id} was revoked while its stream was open")

@@ -10,7 +10,9 @@ store, and every read goes through the store (verification, promotion, metrics):
   the caller's, before any tier is touched. Prefix mode: ``gate.lookup`` then ``store.load`` of
   that lookup. Per-key mode: ``gate.each`` says which keys may be served, ``store.get_each``
   reads them (promoting hits from lower tiers, as a prefix read does). Both modes ask
-  ``gate.require_still_active`` before every message, so a revocation ends an open stream.
+  ``gate.require_still_active`` before every message, and the RegionWriter asks it before every
+  copy into the caller's region (each group of layers of a layered Get), so a revocation ends an
+  open stream.
   Found mode (a Lookup's answer handed back): ``gate.handed_back`` re-checks it (ticket,
   revocation, purges) and ``store.load`` reads exactly its runs, with no second walk; a stale
   ticket makes it a prefix read. One tier walk per request, lookup included.
@@ -167,9 +169,11 @@ class KvCacheService(pb_grpc.KvCacheServicer):
             placement = Placement(tuple(request.block_offsets), request.layer_stride)
         sent = [0]  # blocks streamed; a stream that ends early (however) counts as a miss
         with self._region(call) as region:
-            # Without a region there is nothing to lay out: region_layers then changes nothing.
+            # Without a region there is nothing to lay out: region_layers then changes nothing. The
+            # writer asks the gate before each copy into the region (a revocation stops it there).
             out = None if region is None else RegionWriter(region, request.region_offset, request.region_bytes,
-                                                           request.region_layers, placement)
+                                                           request.region_layers, placement,
+                                                           still_active=lambda: self.gate.require_still_active(p))
             try:
                 if request.mode == pb.GET_MODE_EACH:
                     self.gate.admit(p)

@@ -28,6 +28,10 @@ from tests.helpers import chain_blocks
 LAY = KVLayout("region-writer-test", num_layers=12, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=32)
 
 
+def allowed() -> None:
+    """The gate's still-active check, passing: these tests are about where bytes go."""
+
+
 @pytest.fixture
 def region():
     r = SharedRegion.create(64 << 20)
@@ -46,13 +50,13 @@ def test_layered_get_sends_its_chunks_before_the_first_copy_and_progress_log2_ti
     blocks = chain_blocks(5, layout=LAY, scope=Scope.user("acme/alice"))
     frames = [wire_frame(b) for b in blocks]
     nbytes = blocks[0].nbytes
-    out = RegionWriter(region, 4096, 5 * nbytes, LAY.num_layers)
+    out = RegionWriter(region, 4096, 5 * nbytes, LAY.num_layers, still_active=allowed)
     assert out.keeps_all
     for i, f in enumerate(frames):
         assert out.place(i, f) and not out.full, "laid out by layers, nothing is sent before drain"
     [described] = list(out.take())  # take still describes what was placed (an inline block needs it)
     assert len(message_chunks(described)) == 5
-    out = RegionWriter(region, 4096, 5 * nbytes, LAY.num_layers)
+    out = RegionWriter(region, 4096, 5 * nbytes, LAY.num_layers, still_active=allowed)
     for i, f in enumerate(frames):
         out.place(i, f)
     view = region.window(4096, 5 * nbytes)
@@ -82,7 +86,7 @@ def test_layered_get_sends_its_chunks_before_the_first_copy_and_progress_log2_ti
 def test_block_by_block_get_sends_a_message_per_few_mib_and_no_progress(region) -> None:
     blocks = chain_blocks(3, layout=LAY, scope=Scope.user("acme/alice"))
     nbytes = blocks[0].nbytes
-    out = RegionWriter(region, 0, 3 * nbytes, 0)
+    out = RegionWriter(region, 0, 3 * nbytes, 0, still_active=allowed)
     assert not out.keeps_all
     for i, b in enumerate(blocks):
         assert out.place(i, b)
@@ -95,11 +99,11 @@ def test_block_by_block_get_sends_a_message_per_few_mib_and_no_progress(region) 
 
 def test_a_layered_writer_refuses_blocks_of_another_shape_and_bad_layer_counts(region) -> None:
     other = KVLayout("region-writer-test", num_layers=6, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=32)
-    out = RegionWriter(region, 0, 8 << 20, LAY.num_layers)
+    out = RegionWriter(region, 0, 8 << 20, LAY.num_layers, still_active=allowed)
     assert out.place(0, chain_blocks(1, layout=LAY)[0])
     assert not out.place(1, chain_blocks(1, layout=other)[0]), "another layer count travels inline"
     with pytest.raises(InvalidRequest, match="region_layers"):
-        RegionWriter(region, 0, 1 << 20, 5000)
+        RegionWriter(region, 0, 1 << 20, 5000, still_active=allowed)
 
 
 def test_a_placed_get_writes_each_layer_at_its_blocks_place_a_stride_apart(region) -> None:
@@ -107,7 +111,8 @@ def test_a_placed_get_writes_each_layer_at_its_blocks_place_a_stride_apart(regio
     strip = blocks[0].nbytes // LAY.num_layers
     stride = 64 * strip  # one layer's pages, then the next layer's
     offsets = (4096 + 9 * strip, 4096 + 2 * strip, 4096 + 40 * strip)  # the pages of keys 0, 1, 2
-    out = RegionWriter(region, 4096, LAY.num_layers * stride, LAY.num_layers, Placement(offsets, stride))
+    out = RegionWriter(region, 4096, LAY.num_layers * stride, LAY.num_layers, Placement(offsets, stride),
+                       still_active=allowed)
     before = region.window(0, 4096 + LAY.num_layers * stride).copy()
     for i, b in enumerate(blocks):
         assert out.place(i, wire_frame(b))
@@ -135,14 +140,15 @@ def test_a_placed_get_refuses_places_outside_its_window_or_over_each_other(regio
     stride = 8 * strip
     window = LAY.num_layers * stride
     with pytest.raises(InvalidRequest, match="region_layers"):
-        RegionWriter(region, 0, window, 0, Placement((0, strip), stride))
+        RegionWriter(region, 0, window, 0, Placement((0, strip), stride), still_active=allowed)
     with pytest.raises(InvalidRequest, match="layer_stride"):
-        RegionWriter(region, 0, window, LAY.num_layers, Placement((0, strip), 0))
-    out = RegionWriter(region, strip, window, LAY.num_layers, Placement((0, 9 * strip), stride))
+        RegionWriter(region, 0, window, LAY.num_layers, Placement((0, strip), 0), still_active=allowed)
+    out = RegionWriter(region, strip, window, LAY.num_layers, Placement((0, 9 * strip), stride),
+                       still_active=allowed)
     assert not out.place(0, blocks[0]), "before the window: travels inline"
     assert not out.place(1, blocks[1]), "its last layer past the window: travels inline"
     assert not out.place(2, blocks[1]), "a position with no place"
-    out = RegionWriter(region, 0, window, LAY.num_layers, Placement((0, strip // 2), stride))
+    out = RegionWriter(region, 0, window, LAY.num_layers, Placement((0, strip // 2), stride), still_active=allowed)
     assert out.place(0, blocks[0]) and out.place(1, blocks[1])
     before = region.window(0, window).copy()
     with pytest.raises(InvalidRequest, match="over each other"):
@@ -158,7 +164,8 @@ def test_placed_blocks_are_described_a_bounded_number_a_message_and_odd_ones_tra
     blocks = chain_blocks(n, layout=lay, scope=Scope.user("acme/alice"))
     strip = blocks[0].nbytes // 2
     stride = n * strip
-    out = RegionWriter(region, 0, 2 * stride, 2, Placement(tuple(i * strip for i in range(n + 1)), stride))
+    out = RegionWriter(region, 0, 2 * stride, 2, Placement(tuple(i * strip for i in range(n + 1)), stride),
+                       still_active=allowed)
     assert all(out.place(i, wire_frame(b)) for i, b in enumerate(blocks))
     other = chain_blocks(1, layout=KVLayout("placed-other", num_layers=2, num_kv_heads=1, head_dim=8,
                                             dtype="float16", block_tokens=1), scope=Scope.user("acme/alice"))[0]
@@ -168,3 +175,36 @@ def test_placed_blocks_are_described_a_bounded_number_a_message_and_odd_ones_tra
     assert [len(m.placed) for m in described] == [PLACED_PER_MESSAGE, 3]
     assert [p for m in described for p in m.placed] == list(range(n))
     assert msgs[: len(described)] == described and [m.layers_ready for m in msgs[len(described):]] == [1, 2]
+
+
+def test_a_revocation_stops_the_copies_at_the_next_group_of_layers(region) -> None:
+    """The gate is asked before each group of layers (and before each block's copy block by
+    block): once it refuses, no more bytes land and no more progress is announced."""
+    from kvtier.errors import AccessDenied
+
+    blocks = chain_blocks(3, layout=LAY, scope=Scope.user("acme/alice"))
+    nbytes, strip = blocks[0].nbytes, blocks[0].nbytes // LAY.num_layers
+    revoked = [False]
+
+    def still_active() -> None:
+        if revoked[0]:
+            raise AccessDenied("principal acme/alice was revoked while its stream was open")
+
+    out = RegionWriter(region, 0, 3 * nbytes, LAY.num_layers, still_active=still_active)
+    assert all(out.place(i, wire_frame(b)) for i, b in enumerate(blocks))
+    region.window(0, 3 * nbytes)[:] = 0
+    msgs = out.drain()
+    next(msgs)  # the chunks
+    assert next(msgs).layers_ready == 1
+    revoked[0] = True
+    with pytest.raises(AccessDenied, match="revoked"):
+        next(msgs)
+    view = region.window(0, 3 * nbytes)
+    for k, b in enumerate(blocks):
+        src = np.frombuffer(b.as_bytes_view(), dtype=np.uint8)
+        assert np.array_equal(view[k * nbytes : k * nbytes + strip], src[:strip]), "layer 0 landed"
+        assert not view[k * nbytes + strip : (k + 1) * nbytes].any(), "no later layer landed"
+    # Block by block, the copy itself is refused.
+    out = RegionWriter(region, 0, nbytes, 0, still_active=still_active)
+    with pytest.raises(AccessDenied):
+        out.place(0, wire_frame(blocks[0]))
