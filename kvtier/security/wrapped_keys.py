@@ -246,6 +246,22 @@ class MirroredKeyStore:
                 local.append(k)
         return local
 
+    #: ``counts`` names: the counters of ``errors``, as /metrics shows them.
+    COUNTED = {"mirror_unknown_master_key": "unknown_master_key", "mirror_put": "put_failed",
+               "mirror_get": "get_failed"}
+
+    def counts(self) -> dict[str, int]:
+        """What the daemon's /metrics shows (``kvtier_key_mirror_total{what}``): keys from the
+        bucket refused because they did not verify (``rejected``: planted or altered by a bucket
+        writer without the secret; counted by a mirror that verifies, S3WrappedKeyStore),
+        verified keys not adopted because this node lacks their master key
+        (``unknown_master_key``), and mirror writes and reads that failed. Every name is
+        present, zero until it happens, so an alert can be written before the first one."""
+        with self._lock:
+            out = {name: self.errors[key] for key, name in self.COUNTED.items()}
+        out["rejected"] = int(getattr(self.mirror, "rejected", 0))
+        return out
+
     def remirror(self) -> int:
         """Write every local key to the mirror again (in the mirror's current, authenticated
         format: what ``kvtier keys rewrap`` does after an upgrade); returns how many."""

@@ -37,6 +37,7 @@ from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.security.salts import HmacSaltMapper, RequestSalts, read_salt_key
 from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.security.tokens import TokenVerifier
+from kvtier.security.wrapped_keys import MirroredKeyStore
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
 from kvtier.server.config import DaemonConfig, load_config
@@ -136,6 +137,11 @@ class Daemon:
     def _data_plane_counts(self) -> dict[str, int]:
         return {} if self._data_plane is None else self._data_plane.counts()
 
+    def _key_mirror_counts(self) -> dict[str, int]:
+        ring = self.backend.keyring
+        store = None if ring is None else ring.store
+        return store.counts() if isinstance(store, MirroredKeyStore) else {}
+
     def _revocation_counts(self) -> dict[str, int]:
         sync = self.backend.revocations
         return {} if sync is None else sync.snapshot()
@@ -211,7 +217,8 @@ class Daemon:
                                                                    lambda: self.concurrency.refused,
                                                                    self._revocation_counts,
                                                                    self._region_counts,
-                                                                   self._data_plane_counts),
+                                                                   self._data_plane_counts,
+                                                                   self._key_mirror_counts),
                                         # /metrics is unauthenticated: it names the public domain only.
                                         labelled_domains=frozenset({self.backend.policy.domain(PUBLIC)}))
             self._metrics_endpoint = MetricsEndpoint(collector, host.strip("[]"), int(port))

@@ -99,6 +99,9 @@ class ServerGauges:
     data_plane: Callable[[], tuple[int, int]] = lambda: (0, 0)
     #: Data-plane connections by outcome (DataPlaneListener.counts); {} without a data plane.
     data_plane_connections: Callable[[], dict[str, int]] = dict
+    #: Wrapped keys from the bucket's key mirror refused or not adopted, and mirror failures
+    #: (MirroredKeyStore.counts); {} without a mirror.
+    key_mirror: Callable[[], dict[str, int]] = dict
 
 
 class DaemonCollector(Collector):
@@ -208,7 +211,12 @@ class DaemonCollector(Collector):
                                     labels=["outcome"])
         for outcome, n in g.data_plane_connections().items():
             conns.add_metric([outcome], float(n))
-        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync, shm, shm_bytes, conns)
+        keys = CounterMetricFamily("kvtier_key_mirror",
+                                   "Wrapped keys from the bucket refused (rejected: did not verify; "
+                                   "unknown_master_key: not adopted) and key-mirror failures", labels=["what"])
+        for what, n in g.key_mirror().items():
+            keys.add_metric([what], float(n))
+        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync, shm, shm_bytes, conns, keys)
 
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:

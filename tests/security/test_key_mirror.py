@@ -88,3 +88,40 @@ def test_an_altered_key_is_a_counted_miss_on_another_node(s3_server: EmbeddedS3,
             assert reader.contains([blocks[0].key]) == 0
         finally:
             reader.close()
+
+
+def test_refused_mirror_keys_are_on_metrics(s3_server: EmbeddedS3, raw_s3, tmp_path: Path) -> None:
+    """Issue 32: a planted key the mirror refused, and a verified key under a master key this node
+    lacks (not adopted), are counted on /metrics (``kvtier_key_mirror_total``), where an
+    operator's alerting sees them; before any was read, the counts are zero (the control)."""
+    import urllib.request
+
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    public = DERIVER.domain(Scope.public())
+    dep = LocalDeployment(tmp_path / "a", server_secret=SECRET)
+    dep.write_config(memory_bytes=None, disk_bytes=1 << 24, server={"metrics_listen": "127.0.0.1:0"},
+                     remote={"endpoint": s3_server.endpoint_url, "bucket": s3_server.bucket, "prefix": prefix},
+                     security={"key_store_dir": str(tmp_path / "a" / "keys")})
+    with Daemon(dep.config()) as d:
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10) as resp:
+                return resp.read().decode()
+
+        assert 'kvtier_key_mirror_total{what="rejected"} 0.0' in scrape()
+        # A planted key (no valid tag) and, sealed with the deployment's own mirror key (as a node
+        # that had another master key would write it), a key under a master key nobody here has.
+        planted = WrappedKey(public, os.urandom(8), "kek-nobody-has", os.urandom(60), time.time())
+        raw_s3.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/_keys/{public.hex()}/{planted.dek_id.hex()}",
+                          Body=planted.encode())
+        mirror = d.backend.keyring.store.mirror
+        foreign = WrappedKey(public, os.urandom(8), "kek-of-another-node", os.urandom(60), time.time())
+        raw_s3.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/_keys/{public.hex()}/{foreign.dek_id.hex()}",
+                          Body=mirror.seal(foreign))
+        pub = GrpcTier(GrpcTierConfig(d.address, dep.token("acme", "pub", roles=PUBLISH)))
+        try:
+            assert len(pub.put(chain_blocks(2, seed=9)).stored) == 2  # creates the public DEK: reads the mirror
+        finally:
+            pub.close()
+        text = scrape()
+        assert f'kvtier_key_mirror_total{{what="rejected"}} {float(mirror.rejected)}' in text and mirror.rejected >= 1
+        assert 'kvtier_key_mirror_total{what="unknown_master_key"} 1.0' in text
