@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import time
 from pathlib import Path
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--requests", type=int, metavar="N", help="only the first N requests of each source")
     g.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload generation and run seed")
     g.add_argument("--users", type=int, default=10, help="tenants a trace's conversations are dealt to")
+    g.add_argument("--warmup", type=float, default=0.1, metavar="FRACTION",
+                   help="leading share of each source's requests that runs but is not counted: it fills the "
+                        "empty caches every run starts with (default 0.1)")
     rate = g.add_mutually_exclusive_group()
     rate.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this (default 1)")
     rate.add_argument("--load", type=float, metavar="RHO",
@@ -127,15 +131,19 @@ def run(args: argparse.Namespace) -> int:
     config = _config(args, pricer)
     runs: list[dict[str, Any]] = []
     references = []
+    if not 0 <= args.warmup < 1:
+        raise ConfigError(f"--warmup must be a fraction in [0, 1), got {args.warmup}")
     for wl in sources:
-        ref = ideal(wl, pricer)
+        warm = int(args.warmup * len(wl.requests))
+        wl_config = dataclasses.replace(config, warmup_requests=warm)
+        ref = ideal(wl, pricer, warm)
         references.append({"trace": wl.name, "tenants": wl.tenants, **{f"ideal_{k}": v for k, v in ref.items()}})
         for n in nodes:
             speedup = args.speedup if args.load is None else args.load * n * wl.duration_s / ref["work_s"]
             fleet_wl = wl if speedup == 1.0 else wl.rescaled(speedup)
             for policy in policies:
                 t0 = time.perf_counter()
-                result = simulate(fleet_wl, n, policy, config, pricer).as_json()
+                result = simulate(fleet_wl, n, policy, wl_config, pricer).as_json()
                 result["speedup"] = round(speedup, 4)
                 result["event_fed"] = policy in EVENT_FED
                 runs.append(result)
@@ -147,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, {
         "benchmark": "fleet-sim", "command": command,
         "config": {"nodes": nodes, "policies": policies, "profile": args.profile, "speedup": args.speedup,
+                   "warmup": args.warmup,
                    "load": args.load, "gpu_blocks": config.gpu_blocks, "ram_blocks": config.ram_blocks,
                    "disk_blocks": config.disk_blocks, "block_tokens": pricer.block_tokens,
                    "eviction": config.eviction, "s3": config.s3, "event_delay_s": config.staleness.delay_s,

@@ -22,22 +22,26 @@ from benchmarks.fleet_sim.requests import Workload
 HIT_RATE_SLACK = 0.01
 
 
-def ideal(workload: Workload, pricer: Pricer) -> dict[str, float]:
-    """The workload's floor (module docstring)."""
+def ideal(workload: Workload, pricer: Pricer, warmup_requests: int = 0) -> dict[str, float]:
+    """The workload's floor (module docstring), over the requests after ``warmup_requests``;
+    ``work_s`` is the service time of all of them."""
     seen: set[int] = set()
-    ttft, hit = [], 0
+    ttft, hit, tokens = [], 0, 0
     for r in workload.requests:
         k = 0
         while k < len(r.keys) and r.keys[k] in seen:
             k += 1
         ttft.append(pricer.prefill_curve(r)[k])
-        hit += k * workload.block_tokens
+        if r.rid >= warmup_requests:
+            hit += k * workload.block_tokens
+            tokens += r.input_tokens
         seen.update(r.keys)
     t = np.asarray(ttft)
-    return {"ttft_p50_ms": round(float(np.percentile(t, 50)) * 1e3, 3),
-            "ttft_p99_ms": round(float(np.percentile(t, 99)) * 1e3, 3),
-            "token_hit_rate": round(hit / sum(r.input_tokens for r in workload.requests), 6),
-            "work_s": round(float(t.sum()), 3), "requests": len(t), "duration_s": round(workload.duration_s, 3)}
+    counted = t[warmup_requests:]
+    return {"ttft_p50_ms": round(float(np.percentile(counted, 50)) * 1e3, 3),
+            "ttft_p99_ms": round(float(np.percentile(counted, 99)) * 1e3, 3),
+            "token_hit_rate": round(hit / tokens, 6), "work_s": round(float(t.sum()), 3),
+            "requests": len(t), "warmup_requests": warmup_requests, "duration_s": round(workload.duration_s, 3)}
 
 
 def verdicts(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

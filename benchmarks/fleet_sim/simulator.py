@@ -2,12 +2,14 @@
 
 Event order at one instant: node events (a first token, a request leaving) before arrivals, so a
 decision sees every completion up to its own time. All randomness (ties, event loss) comes from
-one ``numpy.random.default_rng(seed)`` per run, so a run is a function of its inputs.
+``seed`` (two independent streams), so a run is a function of its inputs.
 
 Per request the run records its time to first token (arrival to first token: the router's own
 delay, the queue, reloads and compute), the blocks it reused by tier, its node, and whether stale
 information misrouted it. Only full blocks are cached and counted; the token hit rate is reused
-tokens over all input tokens (partial blocks included in the denominator).
+tokens over all input tokens (partial blocks included in the denominator). The first
+``warmup_requests`` requests run like the others but are not counted: they fill the empty caches
+every run starts with (a fleet in service is rarely cold), the same requests for every policy.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class SimConfig:
     locate_s: float = 0.002
     #: Whether kvtier's Locate knows each engine's GPU prefix cache (policies/kvtier.py).
     locate_gpu: bool = True
+    #: Leading requests that run but are not counted (cold caches).
+    warmup_requests: int = 0
     seed: int = 1
 
 
@@ -105,21 +109,28 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
         raise ConfigError(f"unknown policy {policy!r}; one of {sorted(POLICIES)}")
     if pricer.block_tokens != workload.block_tokens:
         raise ConfigError(f"pricer blocks of {pricer.block_tokens} tokens, workload blocks of {workload.block_tokens}")
-    rng = np.random.default_rng(config.seed)
+    # Separate streams: event loss draws must not move the policies' tie-breaks (a lossy run of
+    # a policy that reads no events is then the same run as a perfect one).
+    tie_rng, loss_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(config.seed).spawn(2))
     fleet = [Node(i, gpu_blocks=config.gpu_blocks, ram_blocks=config.ram_blocks, disk_blocks=config.disk_blocks,
                   eviction=config.eviction, block_bytes=pricer.block_bytes) for i in range(nodes)]
     s3: set[int] = set()
-    channel = EventChannel(config.staleness, rng)
+    channel = EventChannel(config.staleness, loss_rng)
     view = FleetView(fleet, s3, channel, block_tokens=workload.block_tokens,
                      metrics_interval_s=config.metrics_interval_s, locate_gpu=config.locate_gpu)
-    pol = cls(PolicyContext(view, pricer, rng, config.locate_s))
+    pol = cls(PolicyContext(view, pricer, tie_rng, config.locate_s))
     bt = workload.block_tokens
+    warm = config.warmup_requests
+    if not 0 <= warm < len(workload.requests):
+        raise ConfigError(f"warm-up of {warm} requests leaves none of {len(workload.requests)} to count")
+    assert all(r.rid == i for i, r in enumerate(workload.requests)), "request ids are their positions"
 
     heap: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, node, request index)
     seq = 0
     ttft = [0.0] * len(workload.requests)
     reused = [0, 0, 0, 0]
     misroutes = cross = 0
+    counted = [0] * nodes  # counted requests per node
     writer: dict[int, int] = {}  # private key -> the tenant that first stored it
     reqs = workload.requests
 
@@ -134,6 +145,9 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
         tiers = node.tiers_for(head, s3)
         plan = pricer.plan(head, tiers)
         req = node.start(plan, tiers)
+        if req.rid < warm:
+            push(now + plan.seconds, _FIRST_TOKEN, node.idx, req.rid)
+            return
         for t in range(4):
             reused[t] += plan.by_tier[t] * bt
         for i in range(req.public_blocks, plan.reused):
@@ -173,8 +187,9 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
         now = req.arrival_s
         channel.advance(now)
         choice = pol.choose(req, now)
-        if choice.node != choice.fresh:
-            misroutes += 1
+        if nxt >= warm:
+            misroutes += choice.node != choice.fresh
+            counted[choice.node] += 1
         view.inflight[choice.node] += 1
         pol.routed(req, choice.node, now)
         if pol.decision_delay_s > 0:
@@ -184,6 +199,6 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
         nxt += 1
 
     assert all(n.in_service is None and not n.queue and n.running_tokens == 0 for n in fleet)
-    return RunResult(workload.name, nodes, policy, ttft, sum(r.input_tokens for r in reqs), reused,
-                     [n.served for n in fleet], [n.busy_s for n in fleet], misroutes, cross,
+    return RunResult(workload.name, nodes, policy, ttft[warm:], sum(r.input_tokens for r in reqs[warm:]), reused,
+                     counted, [n.busy_s for n in fleet], misroutes, cross,
                      channel.sent, channel.lost, channel.restarts)

@@ -110,3 +110,21 @@ def test_bad_input_is_a_clear_error(tenants_wl, pricer, small):
         Staleness(loss=1.5)
     with pytest.raises(ConfigError, match="delay"):
         Staleness(delay_s=-1)
+
+
+def test_event_loss_does_not_move_a_policy_that_reads_no_events(tenants_wl, pricer, small):
+    """Loss draws come from their own stream: kvtier's tie-breaks are the same with or without."""
+    a = simulate(tenants_wl, 4, "kvtier", small(), pricer)
+    b = simulate(tenants_wl, 4, "kvtier", small(staleness=Staleness(loss=0.5)), pricer)
+    assert b.events_lost > 0
+    assert (a.ttft_s, a.reused_tokens_by_tier, a.served) == (b.ttft_s, b.reused_tokens_by_tier, b.served)
+
+
+def test_warmup_requests_run_but_are_not_counted(tenants_wl, pricer, small):
+    full = simulate(tenants_wl, 2, "cache_aware", small(), pricer)
+    warm = simulate(tenants_wl, 2, "cache_aware", small(warmup_requests=100), pricer)
+    assert len(warm.ttft_s) == 200 and sum(warm.served) == 200
+    assert warm.ttft_s == full.ttft_s[100:]  # the same run, fewer requests counted
+    assert warm.input_tokens == sum(r.input_tokens for r in tenants_wl.requests[100:])
+    with pytest.raises(ConfigError, match="warm-up"):
+        simulate(tenants_wl, 2, "cache_aware", small(warmup_requests=300), pricer)
