@@ -442,7 +442,7 @@ class DaemonClients:
 
     Every client is warmed up when it connects (``GrpcTier.warm_up``: connection, domains, the
     shared-memory region mapped and pre-faulted on both sides), as an engine does at start-up, so
-    no request pays those first-use costs; ``warm_ups`` keeps what each paid. ``connect`` opens the
+    no request pays those first-use costs; ``starts`` keeps what each paid. ``connect`` opens the
     clients of a list of principals ahead of their first request.
     """
 
@@ -454,15 +454,17 @@ class DaemonClients:
         self.layout = layout
         self.observer = observer
         self.clients: dict[str, DaemonCache] = {}
-        self.warm_ups: dict[str, WarmUp] = {}
+        self.starts: dict[str, ClientStart] = {}
 
     def __call__(self, p: Principal) -> DaemonCache:
         if p.id not in self.clients:
             from storage_backends.grpc import GrpcTierConfig
 
+            t0 = time.perf_counter()
             cache = daemon_cache(GrpcTierConfig(self.address, self.token_for(p)), self.layout, observer=self.observer)
             self.stack.callback(cache.close)
-            self.warm_ups[p.id] = cache.client.warm_up()
+            built = time.perf_counter() - t0
+            self.starts[p.id] = ClientStart(built, cache.client.warm_up())
             self.clients[p.id] = cache
         return self.clients[p.id]
 
@@ -474,11 +476,25 @@ class DaemonClients:
         self.stack.callback(tier.close)
         return tier
 
-    def connect(self, people: Sequence[Principal]) -> dict[str, WarmUp]:
+    def connect(self, people: Sequence[Principal]) -> dict[str, ClientStart]:
         """Open (and warm up) the clients of ``people`` now; what each paid, by principal id."""
         for p in people:
             self(p)
-        return {p.id: self.warm_ups[p.id] for p in people}
+        return {p.id: self.starts[p.id] for p in people}
+
+
+@dataclass(slots=True, frozen=True)
+class ClientStart:
+    """What one daemon client cost before its first request: ``build_s`` (its channel and the
+    Domains call that keys its chains) and its warm-up (``GrpcTier.warm_up``: the region)."""
+
+    build_s: float
+    warm_up: WarmUp
+
+    def as_dict(self) -> dict[str, Any]:
+        w = self.warm_up
+        return {"connect_ms": (self.build_s + w.connect_s + w.domains_s) * 1e3, "data_plane_ms": w.data_plane_s * 1e3,
+                "data_plane": w.data_plane, "region_bytes": w.region_bytes}
 
 
 def daemon_source(stack: ExitStack, address: str, token_for: Callable[[Principal], str],

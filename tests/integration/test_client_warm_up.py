@@ -4,9 +4,13 @@ the shared-memory region created and pre-faulted inside that reload)."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import pytest
 
+from benchmarks.e2e import DaemonClients, tenants_of
 from benchmarks.localdeploy import LocalDeployment
+from kvtier.engine.models import model_spec
 from kvtier.errors import TierUnavailable
 from kvtier.keys import Scope
 from kvtier.server.daemon import Daemon
@@ -59,3 +63,22 @@ def test_warm_up_of_an_unreachable_daemon_is_a_named_error() -> None:
             tier.warm_up()
     finally:
         tier.close()
+
+
+def test_benchmark_clients_are_warmed_when_they_connect(memory_daemon: tuple[LocalDeployment, Daemon]) -> None:
+    """The main job's clients (benchmarks.e2e.DaemonClients) attach their region at connect."""
+    dep, daemon = memory_daemon
+    people = tenants_of(2)
+    with ExitStack() as stack:
+        source = DaemonClients(stack, daemon.address, lambda p: dep.token(p.tenant, p.user, ttl_s=600),
+                               model_spec("tiny").layout())
+        starts = source.connect(people)
+        assert list(starts) == [p.id for p in people]
+        for p in people:
+            st = starts[p.id]
+            assert st.warm_up.data_plane == "shm" and st.build_s > 0
+            assert source(p).client.session.current is not None, "attached before any request"
+            row = st.as_dict()
+            assert set(row) == {"connect_ms", "data_plane_ms", "data_plane", "region_bytes"}
+            assert row["region_bytes"] == 256 << 20
+        assert daemon.regions is not None and daemon.regions.snapshot()[0] == 2
