@@ -652,6 +652,18 @@ class GrpcTier(Tier):
         finally:
             self.metrics.observe("locate", time.perf_counter() - t0)
 
+    # -- held (kvtier/cache/held_watch.py) --------------------------------------------------------
+    def watch_held(self, stream: str, keys: Sequence[BlockKey]) -> pb.WatchHeldResponse:
+        """Follow ``keys`` on the daemon's watch ``stream`` for this client's principal (a client
+        acting for a salt follows them for that salt's principal); the tier of each now. Every
+        failure raises its kvtier error."""
+        return self._unary("WatchHeld", pb.WatchHeldRequest(stream=stream, keys=list(keys)))
+
+    def held_changes(self, stream: str, ack: int) -> pb.HeldChangesResponse:
+        """What changed on the watch ``stream`` since the answer ``ack`` acknowledges (this client's
+        own credential: an engine's root client calls it without a salt)."""
+        return self._unary("HeldChanges", pb.HeldChangesRequest(stream=stream, ack=ack))
+
     # -- administration ---------------------------------------------------------------------------
     def stats(self) -> pb.StatsResponse:
         return self._unary("Stats", pb.StatsRequest())

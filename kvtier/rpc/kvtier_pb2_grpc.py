@@ -89,6 +89,16 @@ class KvCacheStub:
                 request_serializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateRequest.SerializeToString,
                 response_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateResponse.FromString,
                 _registered_method=True)
+        self.WatchHeld = channel.unary_unary(
+                '/kvtier.v1.KvCache/WatchHeld',
+                request_serializer=kvtier_dot_rpc_dot_kvtier__pb2.WatchHeldRequest.SerializeToString,
+                response_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.WatchHeldResponse.FromString,
+                _registered_method=True)
+        self.HeldChanges = channel.unary_unary(
+                '/kvtier.v1.KvCache/HeldChanges',
+                request_serializer=kvtier_dot_rpc_dot_kvtier__pb2.HeldChangesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.HeldChangesResponse.FromString,
+                _registered_method=True)
 
 
 class KvCacheServicer:
@@ -160,6 +170,18 @@ class KvCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchHeld(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeldChanges(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +239,16 @@ def add_KvCacheServicer_to_server(servicer, server):
                     servicer.Locate,
                     request_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateRequest.FromString,
                     response_serializer=kvtier_dot_rpc_dot_kvtier__pb2.LocateResponse.SerializeToString,
+            ),
+            'WatchHeld': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatchHeld,
+                    request_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.WatchHeldRequest.FromString,
+                    response_serializer=kvtier_dot_rpc_dot_kvtier__pb2.WatchHeldResponse.SerializeToString,
+            ),
+            'HeldChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldChanges,
+                    request_deserializer=kvtier_dot_rpc_dot_kvtier__pb2.HeldChangesRequest.FromString,
+                    response_serializer=kvtier_dot_rpc_dot_kvtier__pb2.HeldChangesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +548,60 @@ class KvCache:
             '/kvtier.v1.KvCache/Locate',
             kvtier_dot_rpc_dot_kvtier__pb2.LocateRequest.SerializeToString,
             kvtier_dot_rpc_dot_kvtier__pb2.LocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHeld(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvCache/WatchHeld',
+            kvtier_dot_rpc_dot_kvtier__pb2.WatchHeldRequest.SerializeToString,
+            kvtier_dot_rpc_dot_kvtier__pb2.WatchHeldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvCache/HeldChanges',
+            kvtier_dot_rpc_dot_kvtier__pb2.HeldChangesRequest.SerializeToString,
+            kvtier_dot_rpc_dot_kvtier__pb2.HeldChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

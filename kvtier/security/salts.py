@@ -151,10 +151,18 @@ class RequestSalts(SaltMapper):
         return self.tokens._verify(salt)
 
 
-def acting_principal(credential: Principal, salt: str | None, salts: SaltMapper) -> Principal:
+#: Daemon methods that act for no request: an engine calls them as itself, without a salt. Each
+#: answers only about what that credential did itself (HeldChanges: the blocks it watches).
+CREDENTIAL_METHODS = frozenset({"HeldChanges"})
+
+
+def acting_principal(credential: Principal, salt: str | None, salts: SaltMapper, method: str = "") -> Principal:
     """Who a call acts for. An engine credential acts for the principal of the salt it presents
-    and for nobody else; any other credential acts for itself and may not present a salt."""
+    and for nobody else (except in ``CREDENTIAL_METHODS``, which it calls as itself, saltless);
+    any other credential acts for itself and may not present a salt. ``method``: the short name."""
     if ROLE_ENGINE in credential.roles:
+        if not salt and method in CREDENTIAL_METHODS:
+            return credential
         if not salt:
             raise AccessDenied(f"engine credential {credential.id} acts only for a request's principal: send its salt")
         acting = salts.principal(salt)

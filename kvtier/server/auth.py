@@ -289,7 +289,7 @@ class CallGate(grpc.ServerInterceptor):
         AuthError, so the call is UNAUTHENTICATED; the traceback goes to the log, never to the
         caller, and /metrics counts it (``kvtier_access_gate{what="credential_check_crashed"}``)."""
         try:
-            return self.authenticate(metadata)
+            return self.authenticate(metadata, method=method.rsplit("/", 1)[-1])
         except KvtierError:
             raise
         except Exception:
@@ -297,10 +297,10 @@ class CallGate(grpc.ServerInterceptor):
             log.exception("credential check crashed", extra={"event": "credential_check_crashed", "method": method})
             raise AuthError("the credential could not be verified") from None
 
-    def authenticate(self, metadata: Any) -> tuple[Principal, Principal]:
+    def authenticate(self, metadata: Any, *, method: str = "") -> tuple[Principal, Principal]:
         """The credential a call's token names and the principal the call acts for: the token's
         own, or, for an engine's token, the principal of the request salt it presents (verified
-        here, where the salt key lives)."""
+        here, where the salt key lives). ``method``: the call's short name (``acting_principal``)."""
         token = salt = None
         for k, v in metadata or ():
             if k == AUTH_METADATA:
@@ -310,7 +310,7 @@ class CallGate(grpc.ServerInterceptor):
         if not isinstance(token, str) or not token.startswith(BEARER):
             raise AuthError("missing credential: send 'authorization: Bearer <token>'")
         credential = self.credential(token[len(BEARER) :].strip())
-        principal = acting_principal(credential, salt if isinstance(salt, str) else None, self.salts)
+        principal = acting_principal(credential, salt if isinstance(salt, str) else None, self.salts, method)
         if principal is not credential:
             self.policy.require_active(principal)
         return credential, principal

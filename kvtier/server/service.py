@@ -28,6 +28,9 @@ store, and every read goes through the store (verification, promotion, metrics):
   revoke, and lift, what).
 - Locate: the Locator (kvtier/server/locate.py) answers for the request's end principal through
   ``gate.lookup``; it reads no block.
+- WatchHeld / HeldChanges: the daemon's HeldWatch (kvtier/cache/held_watch.py): an engine follows
+  the blocks it reports in its KV-event stream, each for the principal it acts for (keys that
+  principal may read), and polls, saltless, what changed for its credential's own streams.
 - Every method: ``gate.require_method`` first (``service_handler``), for the token's principal and
   the one it acts for: a ``router`` credential calls Locate and nothing else.
 Put commits whole, verified blocks in batches as they arrive: a stream that fails part-way may
@@ -47,6 +50,7 @@ import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
+from kvtier.cache.held_watch import HeldWatch
 from kvtier.cache.purge import PurgeReport
 from kvtier.dataplane.region import SharedRegion
 from kvtier.dataplane.region_table import RegionTable
@@ -116,6 +120,8 @@ class ServiceParts:
     data_plane: Callable[[], pb.DataPlaneResponse] = pb.DataPlaneResponse
     #: Answers Locate (None: the daemon's config has no [locate] section).
     locator: Locator | None = None
+    #: Answers WatchHeld / HeldChanges (None: one over ``store`` and the gate's policy).
+    held: HeldWatch | None = None
 
 
 #: The wire's revoke kinds, as the revoke rules (kvtier/security/revoke_rules.py) name them.
@@ -145,6 +151,7 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         self.limits = parts.limits
         first = self.store.tiers[0]
         self._frames = first.frames if isinstance(first, FrameSource) else None
+        self.held = parts.held if parts.held is not None else HeldWatch(self.store, self.policy)
 
     # -- lookup -----------------------------------------------------------------------------------
     def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
@@ -484,6 +491,17 @@ class KvCacheService(pb_grpc.KvCacheServicer):
         assert call.credential is not None  # CallGate sets it on every call
         return located_to_msg(locator.locate(call.credential, call.principal, query))
 
+    # -- held (what an engine reports in its KV events) -------------------------------------------
+    def WatchHeld(self, request: pb.WatchHeldRequest, call: Call) -> pb.WatchHeldResponse:
+        keys = check_keys(request.keys, self.limits.max_keys)
+        w = self.held.watch(_watcher(call), request.stream, call.principal, keys)
+        return pb.WatchHeldResponse(instance=w.instance, tiers=[t or "" for t in w.tiers])
+
+    def HeldChanges(self, request: pb.HeldChangesRequest, call: Call) -> pb.HeldChangesResponse:
+        ch = self.held.changes(_watcher(call), request.stream, request.ack)
+        return pb.HeldChangesResponse(instance=ch.instance, cursor=ch.cursor,
+                                      changes=[pb.HeldChange(key=k, tier=t or "") for k, t in ch.changes])
+
     def Domains(self, request: pb.DomainsRequest, call: Call) -> pb.DomainsResponse:
         p = call.principal
         out = pb.DomainsResponse(principal=p.id)
@@ -521,6 +539,12 @@ def _allowed(gate: AccessGate, name: str, method: Callable[..., Any], *, streams
     return once
 
 
+def _watcher(call: Call) -> str:
+    """Whose watch streams a call reaches: its credential's (an engine's, whoever it acts for)."""
+    c = call.credential if call.credential is not None else call.principal
+    return f"{c.id}#{c.credential_id or ''}"
+
+
 def runs_to_msg(runs: Sequence[TierRun]) -> list[pb.TierRun]:
     return [pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in runs]
 
@@ -544,6 +568,9 @@ def service_handler(service: KvCacheService) -> grpc.GenericRpcHandler:
         "Domains": unary(fn["Domains"], pb.DomainsRequest.FromString, pb.DomainsResponse.SerializeToString),
         "DataPlane": unary(fn["DataPlane"], pb.DataPlaneRequest.FromString, pb.DataPlaneResponse.SerializeToString),
         "Locate": unary(fn["Locate"], pb.LocateRequest.FromString, pb.LocateResponse.SerializeToString),
+        "WatchHeld": unary(fn["WatchHeld"], pb.WatchHeldRequest.FromString, pb.WatchHeldResponse.SerializeToString),
+        "HeldChanges": unary(fn["HeldChanges"], pb.HeldChangesRequest.FromString,
+                             pb.HeldChangesResponse.SerializeToString),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["KvCache"].methods_by_name) - set(methods)
     assert not missing, f"service_handler lacks {missing}"

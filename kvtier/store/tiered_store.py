@@ -425,6 +425,26 @@ class TieredStore:
             todo = [k for k, h in zip(todo, here, strict=True) if not h]
         return found
 
+    def local_tier_of(self, keys: Sequence[BlockKey]) -> list[str | None]:
+        """The fastest local tier holding each key, aligned with ``keys`` (queued spills count as
+        tier 0's, as lookups see them); None where no local tier does. The remote tier is never
+        named: it lives on no node. One batched ``holds`` per local tier, for the keys still unplaced."""
+        out: list[str | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for level, t in enumerate(self.tiers[: self._local]):
+            if not todo:
+                break
+            here = t.holds([keys[i] for i in todo])
+            if level == 0 and self.spills is not None:
+                gone = [keys[i] for i, h in zip(todo, here, strict=True) if not h]
+                queued = dict(zip(gone, held_by_runs(self.spills.contains, gone), strict=True))
+                here = [h or queued.get(keys[i], False) for i, h in zip(todo, here, strict=True)]
+            for i, h in zip(todo, here, strict=True):
+                if h:
+                    out[i] = t.name
+            todo = [i for i, h in zip(todo, here, strict=True) if not h]
+        return out
+
     def keys_by_tier(self, domain: ScopeDomain) -> dict[str, list[BlockKey]]:
         """Every key each tier lists under scope ``domain`` from its own storage, by tier name,
         fastest first. Blocks queued on their way from tier 0 to tier 1 are listed once they
