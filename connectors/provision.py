@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connectors.daemon_cache import DaemonCache
+from connectors.held_feed import DaemonHeldFeed, HeldFeed, LocalHeldFeed
 from connectors.identity import salt_mapper
 from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.cache.prefix_cache import PrefixCache
@@ -166,6 +167,11 @@ class CacheSource(ABC):
         them itself."""
         return None
 
+    @abstractmethod
+    def held_feed(self, stream: str) -> HeldFeed:
+        """A watch stream on whether the node still holds blocks (connectors/held_feed.py): what
+        an engine's KV-event reporter follows."""
+
 
 def _tier_errors(tiers: Iterable[Tier]) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -189,6 +195,9 @@ class LocalSource(CacheSource):
 
     def errors(self) -> dict[str, int]:
         return _tier_errors(self.cache.store.tiers)
+
+    def held_feed(self, stream: str) -> HeldFeed:
+        return LocalHeldFeed(self.cache, self.salts, stream)
 
 
 class DaemonSource(CacheSource):
@@ -228,6 +237,17 @@ class DaemonSource(CacheSource):
         with self._lock:
             tiers = [self.root, *(tier for _, tier in self._tenants.values())]
         return _tier_errors(tiers)
+
+    def client_for(self, salt: str) -> GrpcTier:
+        """The client on the root's channel that acts for ``salt`` (resolved through ``for_salt``:
+        AuthError / AccessDenied for a refused salt)."""
+        self.for_salt(salt)
+        with self._lock:
+            known = self._tenants.get(salt)
+        return known[1] if known is not None else self.root.acting_for(salt)
+
+    def held_feed(self, stream: str) -> HeldFeed:
+        return DaemonHeldFeed(self.root, self.client_for, stream)
 
     def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
         # Every salt's client shares the root's channel, so its Put finds blocks in this region.

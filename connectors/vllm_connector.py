@@ -40,6 +40,11 @@ How vLLM's world maps onto kvtier:
   Blocks that could not be loaded are reported through ``get_block_ids_with_load_errors`` so vLLM
   recomputes them; nothing wrong is ever written into the pages, because the KVCache returns only
   verified blocks.
+- KV events (``connectors.vllm_events``): with vLLM's ``--kv-events-config`` on, the scheduler side
+  follows each allocated request's blocks and ``take_events`` adds what the node's kvtier holds
+  for this engine (``BlockStored`` / ``BlockRemoved`` per kvtier tier's medium) to vLLM's own
+  stream; an engine whose events would leave the host is refused at start-up unless
+  ``kvtier.allow_remote_kv_events=true``.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.block_saver import BlockSaver
 from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options, load_function
 from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
+from connectors.vllm_events import KvEventReporter, kv_events_options, new_stream
 from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
 from connectors.vllm_stats import (
     CounterDeltas,
@@ -83,6 +89,7 @@ log = logging.getLogger("kvtier.connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -270,6 +277,8 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.options = kvtier_options(extra)
+        # First: an engine whose KV events would leave the host is refused before it connects anywhere.
+        events = kv_events_options(self.options, getattr(vllm_config, "kv_events_config", None))
         par = vllm_config.parallel_config
         tp_rank = par.rank % par.tensor_parallel_size if role == KVConnectorRole.WORKER else 0
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, tp_rank=tp_rank,
@@ -343,6 +352,16 @@ class KvtierConnector(KVConnectorBase_V1):
         #: Pages one step can save per layer: the staging the transfer engine preallocates.
         self._max_step_pages = -(-max_tokens // self.layout.block_tokens) + 1
         self._saver = BlockSaver(self._save_job, self._lock, self.stats, on_done=self._save_stored)
+        #: Scheduler side, with vLLM's KV events on: what the node holds for this engine, as events.
+        self.kv_events: KvEventReporter | None = None
+        if role == KVConnectorRole.SCHEDULER and events is not None:
+            self.kv_events = KvEventReporter(
+                self.source.held_feed(new_stream()), events,
+                fingerprints=[self.layout.fingerprint, *(lay.fingerprint for lay, _ in self._ranks)],
+                block_tokens=self.block_tokens,
+                hash_block_size=int(getattr(kv_cache_config, "hash_block_size", None) or self.block_tokens),
+                stats=self.stats, lock=self._lock)
+            self.kv_events.start()
 
     # =============================================================================================
     # Scheduler side
@@ -426,6 +445,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._hit_sources[request.request_id] = tokens_by_tier(match.lookup, start, end, self.block_tokens)
             self.stats["load_jobs"] += 1
             self.stats["load_tokens"] += num_external_tokens
+        if self.kv_events is not None:
+            self.kv_events.follow(request, match.salt, match.prompt, match.chains)
         if self.save_enabled and request.request_id not in self._tracked:
             prompt_blocks = len(match.prompt.tokens) // self.block_tokens
             # Blocks kvtier already holds need no save; the rest are saved once vLLM has computed them.
@@ -476,6 +497,11 @@ class KvtierConnector(KVConnectorBase_V1):
             if first is not None:
                 self.stats["resave_blocks"] += tr.saved_upto - first
                 tr.saved_upto = first
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What the node's kvtier holds for this engine, as vLLM KV events since the last call
+        (``connectors.vllm_events``); vLLM publishes them with its own after each step."""
+        return self.kv_events.take() if self.kv_events is not None else ()
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """The tokens of this request's load by the kind of tier that holds them (vLLM's
@@ -795,6 +821,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return bad
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         self._join_load()
         self._saver.close()
         if self._paged is not None:
