@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "token": ("kvtier.cli.token", "mint a signed capability token for a principal"),
     "admin": ("kvtier.cli.admin", "operator calls against a daemon: purge a scope, revoke, stats"),
     "locate": ("kvtier.cli.locate", "ask every node of a fleet where a request's prefix is cached, at what cost"),
+    "route": ("kvtier.cli.route", "an OpenAI-compatible router for N engines: each request where its first token "
+                                  "comes soonest (cache and queue)"),
     "keys": ("kvtier.cli.keyadmin", "master keys: create one, rewrap data keys under a new one; verify the audit log"),
 }
 #: One-line help of the harnesses kvtier ships; the harnesses themselves are found through the

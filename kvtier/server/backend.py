@@ -146,7 +146,10 @@ class Backend:
                                                          compactors=compactors))
         sync = None
         if s3cfg is not None and sec.revocation_sync_s > 0:
-            feed = backend("s3").S3RevocationFeed(s3cfg, deriver.subkey("revocation-feed"))
+            retired = frozenset(n.strip() for n in sec.revocation_retired_nodes.split(",") if n.strip())
+            state = config.revocation_feed_dir
+            feed = backend("s3").S3RevocationFeed(s3cfg, deriver.subkey("revocation-feed"), retired=retired,
+                                                  state=None if state is None else backend("s3").FeedState(state))
             sync = RevocationSync(policy, feed, sec.revocation_sync_s)
             closers.append(sync.close)
             sync.start()

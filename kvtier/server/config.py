@@ -279,6 +279,15 @@ class SecurityConfig:
         "node's are published there as they happen); 0: off. Without tiers.remote they reach a node at restart.",
         check=in_range(0, 3600),
     )
+    revocation_retired_nodes: str = _f(
+        "",
+        "Revocation-feed node ids (16 hex digits, comma-separated) an operator declared gone for good: their "
+        "feed objects that are missing hold nobody. Only for a node whose data directory is lost while the "
+        "others hold everyone because its head vanished (docs/security.md 2.5).",
+        check=lambda v: None if isinstance(v, str) and all(
+            re.fullmatch(r"[0-9a-f]{16}", n.strip()) for n in v.split(",") if n.strip())
+        else "expected node ids of 16 lowercase hex digits, comma-separated",
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -418,6 +427,12 @@ class DaemonConfig:
         if self.security.key_store_dir:
             return self.security.key_store_dir
         return str(Path(self.tiers.disk.path) / "keys") if self.tiers.disk else None
+
+    @property
+    def revocation_feed_dir(self) -> str | None:
+        """The revocation feed's durable state lives beside the audit log (none without one)."""
+        audit = self.audit_log_path
+        return str(Path(audit).parent / "revocation-feed") if audit else None
 
     @property
     def purge_journal_path(self) -> str | None:

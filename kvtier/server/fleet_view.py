@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +37,8 @@ from kvtier.server.locate import Located, LocateQuery, SharedShare
 from kvtier.server.locate_wire import located_from_msg, located_json, query_to_msg
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-#: What a node's answer was: its Locate, or why there is none.
-OK, UNAVAILABLE, REFUSED, ERROR = "ok", "unavailable", "refused", "error"
+#: What a node's answer was: its Locate, or why there is none (``skipped``: the caller left it out).
+OK, UNAVAILABLE, REFUSED, ERROR, SKIPPED = "ok", "unavailable", "refused", "error", "skipped"
 
 
 class LocateClient(Protocol):
@@ -186,14 +186,21 @@ class FleetView:
             raise
         self._pool = ThreadPoolExecutor(max_workers=len(self.members), thread_name_prefix="kvtier-fleet")
 
-    def locate(self, query: LocateQuery) -> FleetAnswer:
+    def locate(self, query: LocateQuery, only: Collection[str] | None = None) -> FleetAnswer:
+        """Every member's answer; with ``only``, the members not named there are not asked and are
+        reported ``skipped`` (a router leaves out the nodes it knows to be down, so that a frozen one
+        does not cost every request the deadline)."""
         request = query_to_msg(query)
         t0 = time.monotonic()
-        futures: list[Future[tuple[pb.LocateResponse, float]]] = [
-            self._pool.submit(self._ask, client, request, t0) for client in self._clients]
-        wait(futures, timeout=self.deadline_s)
+        futures: list[Future[tuple[pb.LocateResponse, float]] | None] = [
+            self._pool.submit(self._ask, client, request, t0) if only is None or m.name in only else None
+            for m, client in zip(self.members, self._clients, strict=True)]
+        wait([f for f in futures if f is not None], timeout=self.deadline_s)
         out = []
         for m, f in zip(self.members, futures, strict=True):
+            if f is None:
+                out.append(NodeAnswer(m, SKIPPED, 0.0, reason="not asked (left out by the caller)"))
+                continue
             if not f.done():
                 f.cancel()
                 out.append(NodeAnswer(m, UNAVAILABLE, (time.monotonic() - t0) * 1e3,

@@ -33,9 +33,11 @@ ALLOWED: dict[str, set[str]] = {
                       "kvtier.transfer", "kvtier.dataplane"},
     "connectors": {CORE, "kvtier.store", "kvtier.security", "kvtier.planning", "kvtier.cache", "kvtier.rpc",
                    "kvtier.transfer", "kvtier.dataplane", "kvtier.engine", "kvtier.server", "storage_backends"},
-    "kvtier.cli": {CORE, "kvtier.store", "kvtier.security", "kvtier.server", "kvtier.rpc"},
+    # The router (`kvtier route`) asks the daemons through the server's fleet view.
+    "kvtier.router": {CORE, "kvtier.server"},
+    "kvtier.cli": {CORE, "kvtier.store", "kvtier.security", "kvtier.server", "kvtier.rpc", "kvtier.router"},
     "benchmarks": {CORE, *(f"kvtier.{p}" for p in ("store", "security", "planning", "cache", "rpc", "transfer",
-                                                   "engine", "server", "cli", "dataplane")),
+                                                   "engine", "server", "cli", "dataplane", "router")),
                    "storage_backends", "connectors"},
 }
 

@@ -1,0 +1,164 @@
+"""`kvtier route`: an OpenAI-compatible router for N engines that sends each request where its
+first token comes soonest (kvtier/router/; docs/operations.md, "Run a fleet").
+
+Engines are ``--engine NODE=URL`` (vLLM's ``vllm serve`` or any OpenAI-compatible server); the
+nodes' daemons, asked where each prompt is cached, are ``--node NAME=HOST:PORT`` or ``--members
+FILE`` (the fleet view's membership file), with a ``router`` token (``--token-file``). Without
+nodes the router balances load alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+from kvtier.plugins import backend
+from kvtier.router.app import Router, RouterSettings, json_ready
+from kvtier.router.cache_view import CacheView
+from kvtier.router.choice import Edge
+from kvtier.router.engines import parse_engines
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.prompts import PromptTokenizer
+from kvtier.security.secrets import read_public_file, read_secret_file
+from kvtier.server.config import host_port
+from kvtier.server.fleet_view import FleetView, Member, parse_members, read_members
+
+DEFAULT_DEADLINE_MS = 300.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="where the router listens (port 0: any free port; default 127.0.0.1:8000)")
+    p.add_argument("--engine", action="append", required=True, metavar="NODE=URL",
+                   help="an engine (its OpenAI server's base URL, e.g. http://10.0.0.11:8000) and the node whose "
+                        "daemon serves it (repeatable; several engines may share a node)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--members", metavar="FILE", help="the nodes' daemons: a membership file (TOML: [nodes] "
+                                                       "NAME = \"HOST:PORT\", optional deadline_ms)")
+    who.add_argument("--node", action="append", metavar="NAME=HOST:PORT", help="a node's daemon (repeatable)")
+    p.add_argument("--token-file", metavar="PATH", help="the router's token (`kvtier token --role router`); a "
+                                                        "secret file (mode 0600 or 0640). Needed with nodes")
+    p.add_argument("--tls-ca", metavar="PEM", help="CA bundle that signed the daemons' certificates")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the model's directory (its tokenizer files, read locally): text and chat prompts are "
+                        "tokenized with it for Locate. Needed with nodes")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="the chat template the engines use, when it is not the tokenizer's (as vllm serve's "
+                        "--chat-template)")
+    p.add_argument("--deadline-ms", type=float, metavar="MS",
+                   help=f"Locate answers within this many ms; a node that has not answered is left out until a "
+                        f"probe finds it again (default: the membership file's, else {DEFAULT_DEADLINE_MS:g})")
+    p.add_argument("--poll-ms", type=float, default=1000.0, metavar="MS",
+                   help="each engine's /health and /metrics polled this often (default 1000)")
+    p.add_argument("--health-timeout-ms", type=float, default=1000.0, metavar="MS",
+                   help="an engine that does not answer a poll within this long is down (default 1000)")
+    p.add_argument("--probe-ms", type=float, default=1000.0, metavar="MS",
+                   help="a node whose daemon is down is probed this often (default 1000)")
+    p.add_argument("--connect-timeout-ms", type=float, default=2000.0, metavar="MS",
+                   help="connecting to an engine for a request (default 2000)")
+    p.add_argument("--max-attempts", type=int, default=3, metavar="N",
+                   help="engines tried for one request, each only while nothing was sent to the client (default 3)")
+    p.add_argument("--edge-ms", type=float, default=1.0, metavar="MS",
+                   help="engines predicted within this of the best are tied and balanced by load (default 1)")
+    p.add_argument("--edge-rel", type=float, default=0.05, metavar="FRACTION",
+                   help="... or within this fraction of the best, when larger (default 0.05)")
+    p.add_argument("--queue-prior-ms", type=float, default=100.0, metavar="MS",
+                   help="a queued request's wait before any prefill was measured, without a Locate price "
+                        "(default 100)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB", help="largest request body (default 32)")
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="once listening, write {url, host, port} as JSON to PATH (for scripts and tests)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="log level (default warning: engines and nodes going down and up)")
+
+
+def _ms(name: str, v: float) -> float:
+    if not v > 0:
+        raise ConfigError(f"--{name}: must be positive")
+    return v / 1e3
+
+
+def settings(args: argparse.Namespace) -> RouterSettings:
+    if args.edge_ms < 0 or args.edge_rel < 0:
+        raise ConfigError("--edge-ms and --edge-rel: must not be negative")
+    if args.queue_prior_ms < 0:
+        raise ConfigError("--queue-prior-ms: must not be negative")
+    if not args.max_body_mb > 0:
+        raise ConfigError("--max-body-mb: must be positive")
+    return RouterSettings(poll_s=_ms("poll-ms", args.poll_ms), health_timeout_s=_ms("health-timeout-ms",
+                                                                                      args.health_timeout_ms),
+                          probe_s=_ms("probe-ms", args.probe_ms),
+                          connect_timeout_s=_ms("connect-timeout-ms", args.connect_timeout_ms),
+                          max_attempts=args.max_attempts, edge=Edge(args.edge_ms / 1e3, args.edge_rel),
+                          queue_prior_s=args.queue_prior_ms / 1e3,
+                          max_body_bytes=int(args.max_body_mb * (1 << 20)))
+
+
+def _fleet(args: argparse.Namespace, metrics: RouterMetrics) -> CacheView | None:
+    if not (args.members or args.node):
+        if args.token_file:
+            raise ConfigError("--token-file: given without nodes (--node or --members) to ask")
+        return None
+    deadline_s = None
+    if args.members:
+        members, deadline_s = read_members(args.members)
+    else:
+        members = parse_members(args.node)
+    if args.deadline_ms is not None:
+        deadline_s = _ms("deadline-ms", args.deadline_ms)
+    if not args.token_file:
+        raise ConfigError("--token-file: the router's token is needed to ask the nodes (kvtier token --role router)")
+    if not args.tokenizer:
+        raise ConfigError("--tokenizer: the model's directory is needed to locate text and chat prompts")
+    # A token is a bearer value: read under the one secret-file rule (owner-only, no links).
+    token = read_secret_file(args.token_file, "--token-file").decode().strip()
+    if not token:
+        raise ConfigError(f"--token-file: {args.token_file} is empty")
+    ca = read_public_file(args.tls_ca, "--tls-ca") if args.tls_ca else None
+    daemon = backend("daemon")
+
+    def connect(m: Member) -> object:
+        return daemon.GrpcTier(daemon.GrpcTierConfig(m.address, token, tls_ca=ca, max_attempts=1, data_plane="tcp",
+                                                     name=m.name))
+
+    fleet = FleetView(members, connect, deadline_s or DEFAULT_DEADLINE_MS / 1e3)  # type: ignore[arg-type]
+    return CacheView(fleet, metrics, probe_s=_ms("probe-ms", args.probe_ms))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    complaint = host_port(args.listen)
+    if complaint is not None:
+        raise ConfigError(f"--listen: {complaint}")
+    host, _, port = args.listen.rpartition(":")
+    engines = parse_engines(args.engine)
+    conf = settings(args)
+    template = None
+    if args.chat_template:
+        template = read_public_file(args.chat_template, "--chat-template").decode()
+    metrics = RouterMetrics()
+    cache = _fleet(args, metrics)
+    try:
+        tokenizer = PromptTokenizer(args.tokenizer, template) if args.tokenizer else None
+        router = Router(engines, conf, cache=cache, tokenizer=tokenizer, metrics=metrics)
+    except BaseException:
+        if cache is not None:
+            cache.close()
+        raise
+
+    def ready(bound_host: str, bound_port: int) -> None:
+        if args.ready_file:
+            path = Path(args.ready_file)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(json.dumps({**json_ready(bound_host, bound_port), "pid": os.getpid()}))
+            os.replace(tmp, path)  # readers never see a half-written file
+
+    asyncio.run(router.serve(host.strip("[]"), int(port), ready))
+    return 0

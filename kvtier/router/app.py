@@ -1,0 +1,273 @@
+"""The router's HTTP front (aiohttp): an OpenAI-compatible server for N engines.
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed answers passed
+through), ``GET /v1/models`` (an engine's answer), ``GET /health`` (200 while an engine is up,
+503 otherwise, with every engine's and node's state) and ``GET /metrics`` (Prometheus text).
+
+Per request, in order:
+
+1. the body is read (at most ``max_body_bytes``: 413) and decoded (not a JSON object: 400);
+2. its token ids and ``cache_salt`` (kvtier/router/prompts.py), in a worker thread;
+3. ``Locate`` on every node that is up (kvtier/router/cache_view.py), when there are token ids;
+4. each engine that is up is priced: queue wait (kvtier/router/queue_model.py) + the cost of
+   the request on its node; the choice (kvtier/router/choice.py);
+5. the attempt (kvtier/router/proxy.py); when it fails before a byte was sent, the next choice
+   among the engines not yet tried, at most ``max_attempts`` in all;
+6. with no engine left, 503 and the reason each engine gave.
+
+The request body goes to the engine unchanged (its ``cache_salt`` with it). Nothing of a prompt
+or a salt is logged.
+
+Protocol: ``Router(engines, settings, cache=..., tokenizer=...)`` -> ``serve(host, port, ...)``
+(starts the watches, listens, returns when stopped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvtier.errors import ConfigError
+from kvtier.router.cache_view import CacheView
+from kvtier.router.choice import Candidate, Chooser, Edge
+from kvtier.router.engine_watch import EngineWatch
+from kvtier.router.engines import EngineSpec
+from kvtier.router.errors import error_body
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.prompts import CHAT, COMPLETIONS, PromptTokenizer, RequestPrompt, request_prompt
+from kvtier.router.proxy import ANSWERED, FAILED_MID_RESPONSE, Proxy
+from kvtier.router.queue_model import QueueModel
+from kvtier.server.locate import Located
+
+log = logging.getLogger("kvtier.router")
+
+ENDPOINTS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
+
+
+@dataclass(slots=True, frozen=True)
+class RouterSettings:
+    poll_s: float = 1.0
+    health_timeout_s: float = 1.0
+    probe_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 3
+    edge: Edge = field(default_factory=Edge)
+    #: Per-request queue wait before any prefill was measured and without a Locate price.
+    queue_prior_s: float = 0.1
+    max_body_bytes: int = 32 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("poll_s", "health_timeout_s", "probe_s", "connect_timeout_s", "max_body_bytes"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be positive")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts: at least 1")
+        if self.queue_prior_s < 0:
+            raise ConfigError("queue_prior_s: must not be negative")
+
+
+class Router:
+    """The composition of the module docstring. Event-loop only, once serving."""
+
+    def __init__(self, engines: Sequence[EngineSpec], settings: RouterSettings, *, cache: CacheView | None,
+                 tokenizer: PromptTokenizer | None, metrics: RouterMetrics | None = None) -> None:
+        if cache is not None:
+            missing = sorted({e.node for e in engines} - set(cache.nodes))
+            if missing:
+                raise ConfigError(f"--engine: node(s) {missing} have no daemon in the membership "
+                                  f"({sorted(cache.nodes)}): add them with --node or --members")
+        self.engines = list(engines)
+        self.by_name = {e.name: e for e in self.engines}
+        self.settings = settings
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.metrics = metrics or RouterMetrics()
+        self.queue = QueueModel(e.name for e in self.engines)
+        self.chooser = Chooser(settings.edge)
+        self._session: aiohttp.ClientSession | None = None
+        self._watch: EngineWatch | None = None
+        self._proxy: Proxy | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        self._watch = EngineWatch(self.engines, self._session, self.queue, self.metrics, poll_s=s.poll_s,
+                                  timeout_s=s.health_timeout_s)
+        self._proxy = Proxy(self._session, s.connect_timeout_s)
+        await self._watch.poll_all()
+        self._tasks.append(asyncio.create_task(self._watch.run(), name="kvtier-route-engine-watch"))
+        if self.cache is not None:
+            self._tasks.append(asyncio.create_task(self.cache.run_probes(), name="kvtier-route-node-probes"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        for path in ENDPOINTS:
+            app.router.add_post(path, self._completion)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def serve(self, host: str, port: int, on_ready: Callable[[str, int], None] | None = None) -> None:
+        """Listen on ``host:port`` (0: any free port) until SIGTERM or SIGINT; ``on_ready(host, port)``
+        once listening."""
+        await self.start()
+        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        try:
+            await runner.setup()
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+            bound = runner.addresses[0]
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            log.warning("kvtier route listening on %s:%s for %d engine(s)", bound[0], bound[1], len(self.engines))
+            if on_ready is not None:
+                on_ready(bound[0], int(bound[1]))
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+            await self.close()
+
+    # -- handlers -----------------------------------------------------------------------------------
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        endpoint = request.path
+        kind = ENDPOINTS[endpoint]
+        arrival = time.monotonic()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._error(endpoint, 413, f"the body is larger than {self.settings.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return self._error(endpoint, 400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return self._error(endpoint, 400, f"the body must be a JSON object, got {type(body).__name__}")
+        prompt = await asyncio.to_thread(request_prompt, kind, body, self.tokenizer)
+        located = await self._locate(prompt)
+        return await self._attempts(request, endpoint, "POST", raw, prompt.streaming, located, arrival)
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return await self._attempts(request, request.path, "GET", b"", False, None, time.monotonic())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        assert self._watch is not None
+        engines = {e.name: {"up": self._watch.up(e.name), "node": e.node, "reason": self._watch.reason(e.name),
+                            "inflight": self.queue.inflight(e.name)} for e in self.engines}
+        nodes = {} if self.cache is None else {n: {"up": self.cache.up(n)} for n in self.cache.nodes}
+        up = any(v["up"] for v in engines.values())
+        return web.json_response({"status": "ok" if up else "unavailable", "engines": engines, "nodes": nodes},
+                                 status=200 if up else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+
+    # -- routing ------------------------------------------------------------------------------------
+    async def _locate(self, prompt: RequestPrompt) -> dict[str, Located] | None:
+        """Per node, its Locate answer; None when the request has no token ids or there is no fleet."""
+        if prompt.tokens is None:
+            self.metrics.unlocated.labels(prompt.why).inc()
+            return None
+        if self.cache is None:
+            return None
+        return dict(await self.cache.locate(prompt.tokens, prompt.salt))
+
+    def _candidates(self, engines: Sequence[EngineSpec], located: dict[str, Located] | None,
+                    now: float) -> list[Candidate]:
+        """Each engine's predicted queue wait and service time (kvtier/router/choice.py)."""
+        if located:
+            # A node that did not answer serves the request by computing it all.
+            fallback = max(a.recompute_ms for a in located.values()) / 1e3
+            prior = fallback
+        else:
+            fallback, prior = 0.0, self.settings.queue_prior_s
+        out = []
+        for e in engines:
+            q = self.queue.predict(e.name, now, prior)
+            answer = located.get(e.node) if located else None
+            service = answer.ttft_ms / 1e3 if answer is not None else fallback
+            out.append(Candidate(e.name, q.wait_s, service, q.load))
+        return out
+
+    async def _attempts(self, request: web.Request, endpoint: str, method: str, raw: bytes, streaming: bool,
+                        located: dict[str, Located] | None, arrival: float) -> web.StreamResponse:
+        assert self._watch is not None and self._proxy is not None
+        tried: list[str] = []
+        failures: list[str] = []
+        for _ in range(self.settings.max_attempts):
+            up = [e for e in self._watch.up_engines() if e.name not in tried]
+            if not up:
+                break
+            now = time.monotonic()
+            choice = self.chooser.choose(self._candidates(up, located, now))
+            engine = self.by_name[choice.engine]
+            tried.append(engine.name)
+            self.metrics.routed.labels(engine.name, choice.reason).inc()
+            self.metrics.predicted_ttft.labels(engine.name).observe(choice.predicted_s)
+            ticket = self.queue.sent(engine.name, now, streaming=streaming, expected_first_s=choice.predicted_s)
+            self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
+
+            def first_byte(ticket=ticket, engine=engine) -> None:
+                t = time.monotonic()
+                if self.queue.first_byte(ticket, t) is not None:
+                    self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
+                if streaming:
+                    self.metrics.ttft.labels(engine.name).observe(t - arrival)
+
+            try:
+                outcome = await self._proxy.forward(
+                    request, engine, method=method, path=request.path, body=raw, streaming=streaming,
+                    down=self._watch.down_signal(engine.name), route=choice.reason, on_first_byte=first_byte)
+            finally:
+                self.queue.done(ticket)
+                self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
+            if outcome.engine_down:
+                self._watch.mark_down(engine.name, outcome.reason)
+            if outcome.kind == ANSWERED:
+                ok = outcome.status == 200
+                self.metrics.requests.labels(endpoint, "ok" if ok else "engine_status").inc()
+                assert outcome.response is not None
+                return outcome.response
+            if outcome.kind == FAILED_MID_RESPONSE:
+                self.metrics.requests.labels(endpoint, "failed_mid_response").inc()
+                assert outcome.response is not None
+                return outcome.response
+            self.metrics.attempt_failures.labels(engine.name, "status" if outcome.status else "connection").inc()
+            failures.append(f"{engine.name}: {outcome.reason}")
+        down = [f"{e.name}: {self._watch.reason(e.name)}" for e in self.engines
+                if e.name not in tried and not self._watch.up(e.name)]
+        why = "; ".join(failures + down) or "no engine configured"
+        return self._error(endpoint, 503, f"no engine could answer ({why})")
+
+    def _error(self, endpoint: str, status: int, message: str) -> web.Response:
+        outcome = "unavailable" if status == 503 else "bad_request"
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        return web.json_response(error_body(status, message), status=status)
+
+
+def json_ready(host: str, port: int) -> dict[str, Any]:
+    """The ready file's content (``kvtier route --ready-file``)."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return {"url": f"http://{shown}:{port}", "host": host, "port": port}

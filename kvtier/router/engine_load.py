@@ -1,0 +1,36 @@
+"""An engine's load as it reports it: vLLM's ``/metrics`` gauges of running and waiting requests.
+
+``vllm:num_requests_running`` (scheduled: being prefilled or decoding) and
+``vllm:num_requests_waiting`` (queued, not yet scheduled), summed over their label sets (one per
+engine core of a data-parallel server). An engine without them (another server) reports
+``known=False``; the router then relies on its own in-flight counts alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+
+@dataclass(slots=True, frozen=True)
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    #: Whether the engine's metrics had the gauges (False: both counts are 0 for lack of news).
+    known: bool = False
+
+
+def parse_vllm_load(text: str) -> EngineLoad:
+    """The load in a Prometheus text exposition; ValueError if the text does not parse."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (RUNNING, WAITING):
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    if not found:
+        return EngineLoad()
+    return EngineLoad(running=round(found.get(RUNNING, 0.0)), waiting=round(found.get(WAITING, 0.0)), known=True)

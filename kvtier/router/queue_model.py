@@ -1,0 +1,153 @@
+"""The router's queue-wait model: how long a request sent to an engine now would wait before the
+engine starts its prefill.
+
+Per engine ``e``, at time ``now``::
+
+    own_ahead_e    this router's requests to e still before their first token: a streamed one
+                   until its first chunk arrives; a non-streamed one (whose first byte is the whole
+                   answer) until its answer or the first-token time predicted when it was sent
+    others_e       e's waiting requests that are not this router's: vLLM's
+                   vllm:num_requests_waiting at the last poll, less own_ahead_e at that poll (>= 0)
+    prefill_e      the mean prefill time measured at e (below); until the first measurement,
+                   the prior the caller gives (the request's own recompute price)
+    wait_e         = (own_ahead_e + others_e) x prefill_e
+
+Prefill time is measured from streamed responses only: request i's prefill starts when it is sent
+or when the previous streamed request to e got its first chunk, whichever is later (one prefill
+at a time, first come first served), and ends at its own first chunk. Samples are averaged with
+weight ``EWMA_WEIGHT`` for the newest. Where the engine batches prefills, the later ones of a
+batch measure close to 0, which is right: its queue drains that much faster.
+
+Load (what the router balances when the prediction gives no engine an edge)::
+
+    load_e         = e's running + waiting requests at the last poll that are not this router's
+                     (less this router's in-flight count at that poll, >= 0)
+                     + this router's in-flight requests to e now
+
+Protocol, per request: ``predict`` every engine -> ``sent`` to the one chosen (a ``Ticket``) ->
+``first_byte(ticket)`` when its first chunk comes -> ``done(ticket)`` when the attempt ends, in
+every case (answered, failed, cancelled). ``polled`` whenever an engine's metrics arrive.
+Not thread-safe: the router calls it from its event loop only. Times are ``time.monotonic()``
+seconds, given by the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvtier.router.engine_load import EngineLoad
+
+#: Weight of the newest prefill sample in the engine's running mean.
+EWMA_WEIGHT = 0.2
+
+
+@dataclass(slots=True, frozen=True)
+class Ticket:
+    """One attempt of a request at one engine, as ``sent`` returned it."""
+
+    id: int
+    engine: str
+
+
+@dataclass(slots=True, frozen=True)
+class QueueEstimate:
+    """One engine's predicted queue for a request arriving now."""
+
+    engine: str
+    ahead: int
+    wait_s: float
+    load: int
+    #: The measured mean prefill time (None: none measured yet; the prior priced ``wait_s``).
+    prefill_s: float | None
+
+
+@dataclass(slots=True)
+class _Attempt:
+    engine: str
+    sent_at: float
+    streaming: bool
+    expected_first_at: float
+    first_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Engine:
+    load: EngineLoad = field(default_factory=EngineLoad)
+    own_ahead_at_poll: int = 0
+    own_inflight_at_poll: int = 0
+    prefill_s: float | None = None
+    last_first_at: float | None = None
+
+
+class QueueModel:
+    """The per-engine bookkeeping of the module docstring.
+
+    Invariants: every ticket handed out is in ``_attempts`` until ``done``; an engine's counts are
+    derived from those attempts at the time asked, never stored, so they cannot drift.
+    """
+
+    def __init__(self, engines: Iterable[str]) -> None:
+        self._engines = {e: _Engine() for e in engines}
+        self._attempts: dict[int, _Attempt] = {}
+        self._ids = itertools.count(1)
+
+    # -- what the engines report --------------------------------------------------------------------
+    def polled(self, engine: str, load: EngineLoad, now: float) -> None:
+        e = self._engines[engine]
+        e.load = load
+        e.own_ahead_at_poll = self._own_ahead(engine, now)
+        e.own_inflight_at_poll = self._own_inflight(engine)
+
+    # -- the prediction -----------------------------------------------------------------------------
+    def predict(self, engine: str, now: float, prior_s: float) -> QueueEstimate:
+        e = self._engines[engine]
+        own_ahead = self._own_ahead(engine, now)
+        others = max(0, e.load.waiting - e.own_ahead_at_poll)
+        ahead = own_ahead + others
+        per = e.prefill_s if e.prefill_s is not None else prior_s
+        others_load = max(0, e.load.running + e.load.waiting - e.own_inflight_at_poll)
+        return QueueEstimate(engine, ahead, ahead * per, others_load + self._own_inflight(engine), e.prefill_s)
+
+    # -- one attempt --------------------------------------------------------------------------------
+    def sent(self, engine: str, now: float, *, streaming: bool, expected_first_s: float) -> Ticket:
+        """Record an attempt; ``expected_first_s``: its predicted time to first token (queue wait
+        plus service), which ends a non-streamed attempt's place in the queue."""
+        assert engine in self._engines, engine
+        t = Ticket(next(self._ids), engine)
+        self._attempts[t.id] = _Attempt(engine, now, streaming, now + max(0.0, expected_first_s))
+        return t
+
+    def first_byte(self, ticket: Ticket, now: float) -> float | None:
+        """The attempt's first chunk arrived; returns the prefill sample it gave (None: not one)."""
+        a = self._attempts[ticket.id]
+        if a.first_at is not None:
+            return None
+        a.first_at = now
+        if not a.streaming:
+            return None
+        e = self._engines[a.engine]
+        start = a.sent_at if e.last_first_at is None else max(a.sent_at, e.last_first_at)
+        sample = max(0.0, now - start)
+        e.last_first_at = now
+        e.prefill_s = sample if e.prefill_s is None else (1 - EWMA_WEIGHT) * e.prefill_s + EWMA_WEIGHT * sample
+        return sample
+
+    def done(self, ticket: Ticket) -> None:
+        del self._attempts[ticket.id]
+
+    # -- derived counts -----------------------------------------------------------------------------
+    def prefill_s(self, engine: str) -> float | None:
+        """The engine's measured mean prefill time (None: none measured yet)."""
+        return self._engines[engine].prefill_s
+
+    def inflight(self, engine: str) -> int:
+        return self._own_inflight(engine)
+
+    def _own_inflight(self, engine: str) -> int:
+        return sum(1 for a in self._attempts.values() if a.engine == engine)
+
+    def _own_ahead(self, engine: str, now: float) -> int:
+        return sum(1 for a in self._attempts.values()
+                   if a.engine == engine and a.first_at is None and (a.streaming or now < a.expected_first_at))

@@ -1,0 +1,374 @@
+"""`kvtier route` against real processes: node daemons (``kvtier serve`` with a [locate] section),
+the router itself (``kvtier route``), and TEST ENGINES (route_test_engine.py: OpenAI-shaped
+servers that answer a prompt with bytes derived from its token ids; not vLLM). Blocks are stored
+in the daemons the way an engine's connector stores them (locate_rig.Engine). What vLLM itself
+does behind the router is tested with real ``vllm serve`` in
+tests/engines/vllm_engine/test_router_vllm.py.
+
+Covers: a cached prefix (token ids, text, chat) goes to the engine whose node holds it, for its
+own tenant only; the answer is the engine's, byte for byte, streamed or not; the salt reaches the
+engine and no log; a queue outweighs a cache edge; load is balanced when nothing gives an edge;
+engines killed and frozen drop out, in-flight requests are retried elsewhere, a clear 503 when
+none is up, and they rejoin; daemons frozen and killed mid-run (issue 30 part 6): the router
+answers by load and returns to the cache when the daemon is back; bad input and bad flags.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from benchmarks.localdeploy import LocalDeployment
+from kvtier.cli.main import main
+from tests.integration.locate_rig import BT, Engine, deployment
+from tests.integration.route_rig import (
+    Answer,
+    Proc,
+    call,
+    daemon,
+    engine,
+    health,
+    metric,
+    router,
+    text_of,
+    tokenizer_dir,
+    until,
+)
+from tests.integration.route_test_engine import output_ids, salt_digest
+
+#: 21 tokens: 5 full blocks before the last token.
+PROMPT = list(range(1000, 1000 + 5 * BT + 1))
+OTHER = list(range(2000, 2000 + 5 * BT + 1))
+
+
+#: Each test its own prompts: the fleet (and what its daemons hold) is the module's.
+Q = list(range(3000, 3000 + 5 * BT + 1))
+E = list(range(3500, 3500 + 5 * BT + 1))
+D = list(range(4000, 4000 + 5 * BT + 1))
+
+
+@dataclass
+class Fleet:
+    root: Path
+    dep: LocalDeployment
+    nodes: dict[str, Proc]
+    engines: dict[str, Proc]
+    router: Proc
+    tokenizer: Path
+    token_file: Path
+
+    @property
+    def url(self) -> str:
+        return self.router.ready["url"]
+
+    def engine_url(self, name: str) -> str:
+        return self.engines[name].ready["url"]
+
+    def store(self, node: str, salt: str, tokens: list[int]) -> None:
+        """Save the request's blocks in ``node``'s daemon as its engine's connector would."""
+        e = Engine(self.nodes[node], self.dep)  # type: ignore[arg-type]
+        try:
+            assert e.store(salt, tokens) == (len(tokens) - 1) // BT
+        finally:
+            e.close()
+
+    def prefill(self, name: str, ms: float) -> None:
+        assert call(self.engine_url(name), "/test/prefill", {"ms": ms}).status == 200
+
+    def restart_engine(self, name: str) -> None:
+        """A killed engine started again on its port (the router knows it by its URL)."""
+        port = int(self.engine_url(name).rsplit(":", 1)[1])
+        self.engines[name] = engine(self.root, name, self.tokenizer, port=port)
+
+    def reset(self) -> None:
+        """Every engine and node up, no prefill delay: where each test starts."""
+        for name, p in self.nodes.items():
+            assert p.proc.poll() is None, f"daemon {name} is gone (the daemon-kill test runs last)"
+            p.thaw()
+        for name, p in list(self.engines.items()):
+            if p.proc.poll() is None:
+                p.thaw()
+            else:
+                self.restart_engine(name)
+        for name in self.engines:
+            self.prefill(name, 0)
+        until(lambda: all(v["up"] for h in [health(self.url)] for part in ("engines", "nodes")
+                          for v in h[part].values()), what="every engine and node up")
+
+
+def _fleet(root: Path) -> Fleet:
+    tok = tokenizer_dir(root)
+    deps: dict[str, LocalDeployment] = {}
+    for name in ("a", "b"):
+        deps[name] = deployment(root / f"node-{name}", node=name, like=deps.get("a"), memory_bytes=1 << 20)
+    dep = deps["a"]
+    # Started side by side, then waited for: each spends seconds importing.
+    nodes = {name: daemon(d, f"daemon-{name}", wait=False) for name, d in deps.items()}
+    engines = {name: engine(root, name, tok, wait=False) for name in ("a", "b")}
+    for p in [*nodes.values(), *engines.values()]:
+        p.wait()
+    token_file = root / "router.token"
+    token_file.write_text(dep.token("fleet", "router-1", roles=("router",)))
+    token_file.chmod(0o600)
+    r = router(root, {n: e.ready["url"] for n, e in engines.items()}, nodes={n: p.address for n, p in nodes.items()},
+               token_file=token_file, tokenizer=tok)
+    return Fleet(root, dep, nodes, engines, r, tok, token_file)
+
+
+@pytest.fixture(scope="module")
+def module_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = _fleet(tmp_path_factory.mktemp("route"))
+    yield f
+    for p in [f.router, *f.engines.values(), *f.nodes.values()]:
+        p.stop()
+
+
+@pytest.fixture
+def fleet(module_fleet: Fleet) -> Fleet:
+    module_fleet.reset()
+    return module_fleet
+
+
+def complete(url: str, prompt: list[int] | str, salt: str | None = None, **extra: object) -> Answer:
+    body: dict[str, object] = {"model": "m", "prompt": prompt, "max_tokens": 8, **extra}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return call(url, "/v1/completions", body)
+
+
+def _engine_said(a: Answer) -> dict[str, object]:
+    assert a.status == 200, a.body
+    if a.headers.get("Content-Type", "").startswith("text/event-stream"):
+        first = next(line for line in a.body.decode().split("\n\n") if line.startswith("data: {"))
+        return json.loads(first[6:])["kvtier_test_engine"]
+    return a.json()["kvtier_test_engine"]
+
+
+# -- routing ---------------------------------------------------------------------------------------
+def test_a_cached_prefix_goes_to_the_engine_whose_node_holds_it(fleet: Fleet) -> None:
+    f = fleet
+    alice, bob = f.dep.salt("acme", "alice"), f.dep.salt("globex", "bob")
+    f.store("b", alice, PROMPT)
+    chat_messages = [{"role": "user", "content": text_of(OTHER)}]
+    chat_ids = [4, *OTHER, 5]  # CHAT_TEMPLATE: the user's role token, the content, the assistant's
+    f.store("a", alice, chat_ids)
+
+    # Token ids, text and chat: each goes where its prefix is, for its tenant, every time.
+    for _ in range(3):
+        got = complete(f.url, PROMPT, alice)
+        assert (got.engine, got.route) == ("b", "cache")
+        assert _engine_said(got)["prompt_token_ids"] == PROMPT
+    got = complete(f.url, text_of(PROMPT), alice)
+    assert (got.engine, got.route) == ("b", "cache")
+    assert _engine_said(got)["prompt_token_ids"] == PROMPT, "the router located the ids the engine computes"
+    chat = call(f.url, "/v1/chat/completions", {"model": "m", "messages": chat_messages, "cache_salt": alice})
+    assert (chat.engine, chat.route) == ("a", "cache")
+    assert _engine_said(chat)["prompt_token_ids"] == chat_ids
+    # The salt reaches the engine unchanged; the answer is the engine's own.
+    assert _engine_said(got)["salt_digest"] == salt_digest(alice)
+    direct = complete(f.engine_url("b"), text_of(PROMPT), alice)
+    assert got.body == direct.body
+    assert got.json()["choices"][0]["text"] == "".join(f" t{t}" for t in output_ids(PROMPT))
+
+    # Control: another tenant, or no salt, finds no edge: balanced over both engines.
+    seen = {complete(f.url, PROMPT, bob).engine for _ in range(4)}
+    assert seen == {"a", "b"}
+    plain = [complete(f.url, PROMPT) for _ in range(4)]
+    assert {a.route for a in plain} == {"balanced"} and {a.engine for a in plain} == {"a", "b"}
+    assert metric(f.url, "kvtier_router_routed_total", engine="b", reason="cache") == 4
+    assert metric(f.url, "kvtier_router_routed_total", engine="a", reason="cache") == 1
+
+    # Streaming: passed through, byte for byte what the engine streams.
+    s = complete(f.url, PROMPT, alice, stream=True)
+    assert s.engine == "b" and s.headers["Content-Type"].startswith("text/event-stream")
+    assert s.body == complete(f.engine_url("b"), PROMPT, alice, stream=True).body
+    assert s.body.endswith(b"data: [DONE]\n\n")
+
+    # A batch of prompts is routed by load and counted.
+    batch = complete(f.url, [text_of(PROMPT), text_of(OTHER)], alice)
+    assert batch.status == 200 and batch.route == "balanced"
+    assert metric(f.url, "kvtier_router_unlocated_total", reason="batch") == 1
+
+    # Nothing of a prompt or a salt in the router's log (at debug level).
+    log = f.router.output()
+    assert "listening" in log  # control: the log is there
+    for secret in (alice, bob, alice.rsplit(":", 1)[-1], text_of(PROMPT[:3]), text_of(OTHER[:3]), "t1000"):
+        assert secret not in log
+
+
+def test_a_queue_outweighs_a_cache_edge(fleet: Fleet) -> None:
+    """Engine b holds the prefix but takes 1.5 s a prefill: with one request queued there, the
+    next goes to a, whose recompute (about 0.1 s at the nodes' 5 ms a token) comes sooner."""
+    f = fleet
+    alice = f.dep.salt("acme", "alice")
+    f.store("b", alice, Q)
+    f.prefill("b", 1500)
+    # Streamed requests to b measure its prefill time (a running mean: the earlier tests' fast
+    # prefills weigh 0.8 x 0.8 after these two).
+    for _ in range(2):
+        first = complete(f.url, Q, alice, stream=True)
+        assert (first.engine, first.route) == ("b", "cache")
+    assert 0.5 < metric(f.url, "kvtier_router_prefill_seconds", engine="b") < 10
+    # b busy with one request: the next one would wait ~1.5 s there.
+    results: list[Answer] = []
+    busy = threading.Thread(target=lambda: results.append(complete(f.url, Q, alice, stream=True)))
+    busy.start()
+    until(lambda: health(f.url)["engines"]["b"]["inflight"] == 1, what="b busy")
+    second = complete(f.url, Q, alice, stream=True)
+    busy.join(30)
+    assert results and (results[0].engine, results[0].route) == ("b", "cache")
+    assert (second.engine, second.route) == ("a", "queue")
+    assert second.body == complete(f.engine_url("a"), Q, alice, stream=True).body
+    # Control: b idle again, the cache wins again.
+    again = complete(f.url, Q, alice, stream=True)
+    assert (again.engine, again.route) == ("b", "cache")
+
+
+# -- engine faults ---------------------------------------------------------------------------------
+def test_engines_killed_or_frozen_drop_out_and_rejoin(fleet: Fleet) -> None:
+    f = fleet
+    alice = f.dep.salt("acme", "alice")
+    f.store("a", alice, E)
+    b_answer = complete(f.engine_url("b"), E, alice).body
+    failures_before = metric(f.url, "kvtier_router_attempt_failures_total", engine="a", reason="connection")
+
+    # a frozen while it holds a request (before its first byte): the health watch takes a
+    # down, the request is tried again on b, and the client gets b's whole answer.
+    f.prefill("a", 2000)
+    results: list[Answer] = []
+    t = threading.Thread(target=lambda: results.append(complete(f.url, E, alice)))
+    t.start()
+    until(lambda: health(f.url)["engines"]["a"]["inflight"] == 1, what="the request at a")
+    f.engines["a"].freeze()
+    t.join(30)
+    assert results and results[0].status == 200
+    assert results[0].engine == "b" and results[0].body == b_answer
+    h = health(f.url)["engines"]["a"]
+    assert not h["up"] and h["reason"]
+    assert metric(f.url, "kvtier_router_attempt_failures_total", engine="a", reason="connection") == \
+        failures_before + 1
+    assert metric(f.url, "kvtier_router_engine_up", engine="a") == 0
+    # While a is down, everything goes to b, and is answered.
+    assert {complete(f.url, E, alice).engine for _ in range(3)} == {"b"}
+    f.engines["a"].thaw()
+    f.prefill("a", 0)
+    until(lambda: health(f.url)["engines"]["a"]["up"], what="a rejoins after SIGCONT")
+    assert complete(f.url, E, alice).engine == "a"
+
+    # b killed: a request finds it gone and is answered by a; b drops out.
+    f.engines["b"].kill()
+    got = [complete(f.url, OTHER) for _ in range(3)]
+    assert {g.engine for g in got} == {"a"} and {g.status for g in got} == {200}
+    until(lambda: not health(f.url)["engines"]["b"]["up"], what="b down")
+    # a killed too: a clear 503 naming each engine's reason; /health says so.
+    f.engines["a"].kill()
+    until(lambda: not health(f.url)["engines"]["a"]["up"], what="a down")
+    none = complete(f.url, E, alice)
+    assert none.status == 503
+    err = none.json()["error"]
+    assert err["type"] == "service_unavailable" and err["code"] == 503
+    assert "a:" in err["message"] and "b:" in err["message"]
+    assert call(f.url, "/health").status == 503
+    # b restarted on its port: it rejoins and answers.
+    f.restart_engine("b")
+    until(lambda: health(f.url)["engines"]["b"]["up"], what="b rejoins")
+    assert complete(f.url, E, alice).engine == "b"
+
+
+# -- daemon faults (issue 30 part 6); kills a daemon, so it runs last of the module fleet's tests ---
+def test_a_daemon_frozen_or_killed_mid_run_the_router_routes_around_it(fleet: Fleet) -> None:
+    f = fleet
+    alice = f.dep.salt("acme", "alice")
+    f.store("a", alice, D)
+    want = {e: complete(f.engine_url(e), D, alice).body for e in f.engines}
+    assert complete(f.url, D, alice).engine == "a"  # control: the cache decides
+    unavailable_before = metric(f.url, "kvtier_router_locate_answers_total", node="a", status="unavailable")
+    ok_before = metric(f.url, "kvtier_router_locate_answers_total", node="b", status="ok")
+
+    f.nodes["a"].freeze()
+    answers = [complete(f.url, D, alice) for _ in range(6)]
+    # Answered, by load (both engines, each with its own correct bytes), without a's daemon.
+    assert {a.status for a in answers} == {200}
+    assert {a.route for a in answers} == {"balanced"} and {a.engine for a in answers} == {"a", "b"}
+    assert all(a.body == want[a.engine] for a in answers)
+    assert health(f.url)["nodes"]["a"] == {"up": False}
+    # The frozen daemon cost one request the deadline; the others did not ask it.
+    assert metric(f.url, "kvtier_router_locate_answers_total", node="a", status="unavailable") == \
+        unavailable_before + 1
+    assert metric(f.url, "kvtier_router_locate_answers_total", node="b", status="ok") >= ok_before + 6
+
+    f.nodes["a"].thaw()
+    until(lambda: health(f.url)["nodes"]["a"]["up"], what="a's daemon rejoins")
+    got = complete(f.url, D, alice)
+    assert (got.engine, got.route) == ("a", "cache") and got.body == want["a"]
+
+    f.nodes["a"].kill()
+    answers = [complete(f.url, D, alice) for _ in range(4)]
+    assert {a.status for a in answers} == {200} and {a.route for a in answers} == {"balanced"}
+    assert all(a.body == want[a.engine] for a in answers)
+    assert health(f.url)["nodes"]["a"] == {"up": False}
+    assert call(f.url, "/health").status == 200  # engines up: the router serves
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_bad_requests_get_clear_errors(tmp_path: Path) -> None:
+    tok = tokenizer_dir(tmp_path)
+    e = engine(tmp_path, "a", tok)
+    r = router(tmp_path, {"a": e.ready["url"]}, extra=("--max-body-mb", "0.01"))
+    try:
+        url = r.ready["url"]
+        until(lambda: health(url)["engines"]["a"]["up"], what="engine up")
+        for body, status, words in ((b"{not json", 400, "not JSON"), (b"[1, 2]", 400, "JSON object"),
+                                    (json.dumps({"prompt": "t1 " * 5000}).encode(), 413, "larger than")):
+            got = call(url, "/v1/completions", body)
+            assert got.status == status and words in got.json()["error"]["message"], got.body
+            assert got.json()["error"]["code"] == status
+        # The engine's own refusal passes through, status and body.
+        bad = complete(url, "bad")
+        assert bad.status == 400 and bad.json()["error"]["message"] == "bad prompt" and bad.engine == "a"
+        assert call(url, "/v1/completions", method="GET").status == 405
+        assert call(url, "/v1/nothing", {}).status == 404
+        # Without nodes the router balances load and still tokenizes nothing it does not need.
+        ok = complete(url, "t1 t2 t3")
+        assert ok.status == 200 and ok.route == "queue"
+        assert call(url, "/v1/models").json()["data"][0]["id"] == "m"
+        assert metric(url, "kvtier_router_requests_total", endpoint="/v1/completions", outcome="bad_request") == 3
+    finally:
+        r.stop()
+        e.stop()
+
+
+def test_route_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tok = tokenizer_dir(tmp_path)
+    loose = tmp_path / "loose.token"
+    loose.write_text("kvt1.x")
+    loose.chmod(0o644)
+    good = tmp_path / "router.token"
+    good.write_text("kvt1.x")
+    good.chmod(0o600)
+    cases = [
+        (["--engine", "a"], "expected NODE=URL"),
+        (["--engine", "a=ftp://h:1"], "http(s)://HOST:PORT"),
+        (["--engine", "a=http://h:1/v1"], "without a path"),
+        (["--engine", "a=http://h:1", "--engine", "b=http://h:1"], "given twice"),
+        (["--engine", "a=http://h:1", "--node", "a=127.0.0.1:1", "--tokenizer", str(tok)], "--token-file"),
+        (["--engine", "a=http://h:1", "--node", "a=127.0.0.1:1", "--token-file", str(good)], "--tokenizer"),
+        (["--engine", "a=http://h:1", "--node", "a=127.0.0.1:1", "--token-file", str(loose), "--tokenizer", str(tok)],
+         "chmod 0600"),
+        (["--engine", "c=http://h:1", "--node", "a=127.0.0.1:1", "--token-file", str(good), "--tokenizer", str(tok)],
+         "have no daemon"),
+        (["--engine", "a=http://h:1", "--token-file", str(good)], "without nodes"),
+        (["--engine", "a=http://h:1", "--listen", "nowhere"], "--listen"),
+        (["--engine", "a=http://h:1", "--poll-ms", "0"], "--poll-ms"),
+        (["--engine", "a=http://h:1", "--tokenizer", str(tmp_path / "none")], "not a directory"),
+    ]
+    for argv, words in cases:
+        assert main(["route", *argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert words in err, (argv, err)
+        assert "kvt1.x" not in err
