@@ -9,8 +9,11 @@ that cannot be read is retried on the next tick and counted; records that fail v
 are refused and counted. Each tick also puts back this node's own records if they disappeared
 (``maintain``), and hands the feed's gaps to the policy (``Policy.set_holds``): a target whose
 record is missing is refused until the record is read, so a deleted revocation is delayed,
-never silently lost. Nodes without a remote tier have no feed: revocations reach them at
-restart, as documented.
+never silently lost. After each read this node also *republishes* every change it holds in
+force (its audit log's latest change per target, its own and those applied from others) that the
+feed no longer holds anywhere (``present``): a revocation outlives its origin's records, its
+origin's disk and its origin. Nodes without a remote tier have no feed: revocations reach them
+at restart, as documented.
 """
 
 from __future__ import annotations
@@ -45,13 +48,33 @@ class FeedReadLike(Protocol):
     problems: dict[str, int]
 
 
+def latest_changes(policy: Policy) -> dict[str, RevocationChange]:
+    """The change in force per target, as the policy's audit log recorded it (the log the
+    policy replays at start, so these are exactly its stamps); {} without a log."""
+    out: dict[str, RevocationChange] = {}
+    if policy.audit is None:
+        return out
+    for ev in policy.audit.events():
+        if ev.action not in ("revoke", "grant"):
+            continue
+        d = ev.detail
+        c = RevocationChange(ev.target, ev.action == "revoke", float(d.get("origin_at", ev.at)),
+                             str(d.get("origin", "")), ev.actor, str(d.get("reason", "")),
+                             str(d.get("authority", "operator")))
+        if ev.target not in out or c.stamp > out[ev.target].stamp:
+            out[ev.target] = c
+    return out
+
+
 class RevocationSync:
     """Publishes this node's changes and applies the others' on a timer.
 
     Invariants: ``counts`` (under ``_lock``) only grow: ``published``, ``applied`` (changes from
     other nodes that took effect), ``stale`` (older than what a target already had), ``rejected``
-    (records that failed verification), ``read_errors``. One reader thread; ``sync_once`` may also
-    be called directly (tests, start-up), serialized by ``_read_lock``.
+    (records that failed verification), ``read_errors``, ``republished`` (changes in force put
+    back into a feed that lost them). ``_latest`` (under ``_lock``) is the change in force per
+    target known here; a stamp in it only grows. One reader thread; ``sync_once`` may also be
+    called directly (tests, start-up), serialized by ``_read_lock``.
     """
 
     def __init__(self, policy: Policy, feed: RevocationFeed, interval_s: float) -> None:
@@ -67,7 +90,14 @@ class RevocationSync:
         self._read_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._latest = latest_changes(policy)
         policy.subscribe(self.publish)
+
+    def _note(self, change: RevocationChange) -> None:
+        with self._lock:
+            last = self._latest.get(change.target)
+            if last is None or change.stamp > last.stamp:
+                self._latest[change.target] = change
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -80,6 +110,7 @@ class RevocationSync:
     def publish(self, change: RevocationChange) -> None:
         """Subscribed to the policy: share a change made here."""
         what = "revocation" if change.revoked else "grant"
+        self._note(change)
         try:
             self.feed.publish(change)
         except TierUnavailable as exc:
@@ -117,6 +148,7 @@ class RevocationSync:
                 if change.origin == self.policy.node:
                     continue  # this process's own change, already applied when it was made
                 if self.policy.apply_remote(change):
+                    self._note(change)
                     applied += 1
                     log.info("revocation applied", extra={
                         "event": "revoke" if change.revoked else "grant", "target": change.target,
@@ -124,8 +156,30 @@ class RevocationSync:
                 else:
                     self._count("stale")
             self._count("applied", applied)
+            checkpoint = getattr(self.feed, "checkpoint", None)
+            if checkpoint is not None:
+                checkpoint()  # only now: what was read is applied (and audited), so it may be marked read
             self._hold(got)
+            self._republish(getattr(got, "present", None))
             return applied
+
+    def _republish(self, present: frozenset[str] | None) -> None:
+        """Put back into the feed each change in force here that it holds nowhere any more."""
+        change_id = getattr(self.feed, "change_id", None)
+        if present is None or change_id is None:
+            return
+        with self._lock:
+            missing = [c for c in self._latest.values() if change_id(c) not in present]
+        for change in sorted(missing, key=lambda c: c.stamp):
+            try:
+                self.feed.publish(change)
+            except TierUnavailable:
+                self._count("publish_errors")
+                return  # the next tick tries again
+            self._count("republished")
+            log.warning("revocation feed lacked a change in force here; republished it",
+                        extra={"event": "revocation_republished", "target_id": getattr(self.feed, "target_id",
+                                                                                      str)(change.target)})
 
     def _hold(self, got: FeedReadLike) -> None:
         """Fail closed on gaps: the policy refuses the targets whose records are missing (or
@@ -142,7 +196,7 @@ class RevocationSync:
         if (holds, hold_all) != before:
             log.warning("revocation feed gap: holding targets until their records are read",
                         extra={"event": "revocation_gap", "held_targets": len(holds), "holding_all": hold_all,
-                               "problems": problems})
+                               "problems": problems, "nodes": list(getattr(got, "holding_nodes", ()))})
 
     def start(self) -> RevocationSync:
         assert self._thread is None, "started twice"

@@ -5,15 +5,17 @@
   how a chain's longest stored prefix is found; ``objects``: the small-object client shared by
   the two stores below;
 - ``key_mirror``: the node's wrapped data keys, mirrored for the other nodes of the bucket, and
-- ``revocation_feed``: the revocations every node of the bucket follows.
+- ``revocation_feed``: the revocations every node of the bucket follows (``feed_state``: what of
+  it a node keeps on its own disk across restarts).
 
 The daemon finds this package through the ``kvtier.backends`` entry point ``s3``.
 """
 
 from storage_backends.s3.config import S3Config
+from storage_backends.s3.feed_state import FeedState
 from storage_backends.s3.key_mirror import S3WrappedKeyStore
 from storage_backends.s3.revocation_feed import S3RevocationFeed
 from storage_backends.s3.tier import S3Tier, S3Timeout, S3Unreachable, SeaweedVacuum
 
-__all__ = ["S3Config", "S3RevocationFeed", "S3Tier", "S3Timeout", "S3Unreachable", "S3WrappedKeyStore",
+__all__ = ["FeedState", "S3Config", "S3RevocationFeed", "S3Tier", "S3Timeout", "S3Unreachable", "S3WrappedKeyStore",
            "SeaweedVacuum"]
