@@ -92,7 +92,7 @@ def judge(result: dict[str, Any], rows: Sequence[dict[str, Any]], *, load_avg: f
     if not result["tokens_reused"]:
         why.append("no request reused a single token: the cache served nothing")
     if result["speedup"] < TARGET_SPEEDUP:
-        why.append(f"warm was {result['speedup']:.1f}x faster than cold, below the {TARGET_SPEEDUP:.0f}x target")
+        why.append(f"warm was {result['speedup']:.2f}x faster than cold, below the {TARGET_SPEEDUP:.0f}x target")
         why += _slowdowns(rows, doc, load_avg, cpus)
     return Verdict(not why, tuple(why))
 
