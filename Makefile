@@ -10,10 +10,16 @@ TORCH   ?= torch==2.13.0
 
 venv: $(STAMP)
 
+# pip runs quietly: each step says what it installs and when it started (plain lines, any terminal).
+STEP = @echo "[make $@] $$(date +%T)"
+
 $(STAMP): pyproject.toml
+	$(STEP) "step 1/3: $(VENV), pip"
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
+	$(STEP) "step 2/3: $(TORCH) (CPU build)"
 	$(VPY) -m pip install -q $(TORCH)
+	$(STEP) "step 3/3: kvtier and its dependencies"
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -27,8 +33,10 @@ run: $(STAMP)
 ENGINE_VENVS := .venv-vllm/.stamp .venv-sglang/.stamp .venv-vllmcpu/.stamp
 
 .venv-%/.stamp: tests/engines/%-requirements.txt
+	$(STEP) "step 1/2: .venv-$*, $(TORCH) (CPU build)"
 	test -x .venv-$*/bin/python || $(PY) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install -q $(TORCH)
+	$(STEP) "step 2/2: .venv-$*, the pinned engine packages (tests/engines/$*-requirements.txt)"
 	.venv-$*/bin/python -m pip install -q --no-deps -r tests/engines/$*-requirements.txt
 	touch $@
 
@@ -38,8 +46,10 @@ engine-venvs: $(ENGINE_VENVS)
 # CPU torch first, then the exact package set --no-deps (its full dependency set pulls CUDA builds).
 # `make test` builds it: tests/integration/test_peer_bench.py runs its LMCache half there.
 .venv-lmcache/.stamp: benchmarks/peers/lmcache-requirements.txt
+	$(STEP) "step 1/2: .venv-lmcache, $(TORCH) (CPU build)"
 	test -x .venv-lmcache/bin/python || $(PY) -m venv .venv-lmcache
 	.venv-lmcache/bin/python -m pip install -q $(TORCH)
+	$(STEP) "step 2/2: .venv-lmcache, LMCache 0.5.6 and its pinned packages"
 	.venv-lmcache/bin/python -m pip install -q --no-deps -r benchmarks/peers/lmcache-requirements.txt
 	touch $@
 
