@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvtier.block import Block
-from kvtier.cache.purge import Compactor, PurgeJournal, PurgeReport, ScopePurger
+from kvtier.cache.purge import NOTHING_TO_COMPACT, Compactor, PurgeJournal, PurgeReport, ScopePurger
 from kvtier.errors import ConfigError, LayoutMismatch, ScopeError
 from kvtier.keys import (
     LAYOUT_TAG_BYTES,
@@ -371,8 +371,13 @@ class KVCache:
             if keyring is not None:
                 entry.keys_destroyed += keyring.destroy(domain)
             # Deleted objects and keys may still sit in storage files (volumes) until compacted:
-            # the purge is done only once they are gone (a failure leaves it journaled).
-            compacted = {c.name: c.compact() for c in self.options.compactors}
+            # the purge is done only once they are gone (a failure leaves it journaled). A purge
+            # that deleted nothing (counted over every attempt of it, from the journal) left
+            # nothing to compact: it costs no vacuum.
+            if entry.keys_destroyed or any(entry.removed.values()):
+                compacted = {c.name: c.compact() for c in self.options.compactors}
+            else:
+                compacted = {c.name: NOTHING_TO_COMPACT for c in self.options.compactors}
             self.journal.finish(entry)
         return PurgeReport(domain.hex(), dict(entry.removed), entry.keys_destroyed, resumed, scope_name, compacted)
 

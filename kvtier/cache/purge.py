@@ -31,10 +31,15 @@ class ScopePurger(Protocol):
     def keys_in_scope(self, domain: ScopeDomain) -> list[BlockKey]: ...
 
 
+#: What a purge that deleted nothing reports for each compactor, which it did not run.
+NOTHING_TO_COMPACT = "skipped: the purge removed nothing"
+
+
 class Compactor(Protocol):
     """Something that makes a purge's deletions final in storage that keeps deleted bytes (a
     SeaweedFS volume vacuum). ``compact`` returns a short description for the report and raises
-    TierUnavailable when it cannot (the purge then stays journaled and is resumed)."""
+    TierUnavailable when it cannot (the purge then stays journaled and is resumed). Run only by
+    a purge that deleted something (else reported as ``NOTHING_TO_COMPACT``)."""
 
     name: str
 

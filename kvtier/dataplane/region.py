@@ -5,9 +5,12 @@ nothing can open it; the only ways in are the client's own descriptor and the co
 client hands the daemon over a unix socket (``handshake``). The client seals its size before
 handing it over (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``), and the daemon maps nothing
 that is not sealed so: a region that could shrink under the daemon's mapping would turn the
-daemon's next copy into a SIGBUS. Both sides map it whole, pre-faulted (``MAP_POPULATE``), and
-reuse it for every call; the memory is freed when the last descriptor and mapping are gone, so
-a client that dies leaves nothing behind once the daemon drops its side.
+daemon's next copy into a SIGBUS. Both sides map it whole and reuse it for every call: the
+client pre-faulted (``MAP_POPULATE``, its own memory), the daemon not (``adopt``): a page the
+client never touched is allocated only when a call the client made copies into it, so a client
+cannot make the daemon fault in memory it does not use. The memory is freed when the last
+descriptor and mapping are gone, so a client that dies leaves nothing behind once the daemon
+drops its side.
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ class SharedRegion:
 
     __slots__ = ("_fd", "array", "nbytes")
 
-    def __init__(self, fd: int, nbytes: int) -> None:
+    def __init__(self, fd: int, nbytes: int, *, populate: bool = True) -> None:
         self._fd = fd
         self.nbytes = nbytes
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.array = np.frombuffer(mm, dtype=np.uint8)
 
@@ -78,7 +81,7 @@ class SharedRegion:
                 raise RegionRefused("a region must be sealed against shrinking, growing and new seals")
             if not 0 < st.st_size <= max_bytes or st.st_size % PAGE:
                 raise RegionRefused(f"a region must be whole pages and at most {max_bytes} bytes, got {st.st_size}")
-            return cls(fd, st.st_size)
+            return cls(fd, st.st_size, populate=False)  # the client's pages, faulted in only where used
         except BaseException:
             os.close(fd)
             raise

@@ -36,6 +36,10 @@ class RegionLimits:
     max_regions: int
     #: Regions attached at once by one credential (one per engine process is the usual case).
     max_regions_per_owner: int
+    #: Regions attached at once by one principal, whatever tokens it holds (0: no bound of its own).
+    max_regions_per_principal: int = 0
+    #: Regions attached at once by the principals of one tenant together (0: no bound of its own).
+    max_regions_per_tenant: int = 0
 
 
 @dataclass(slots=True)
@@ -48,8 +52,9 @@ class RegionTable:
     """Handles (random 128-bit) to attached regions.
 
     Invariants: every entry's region is mapped and sealed (``SharedRegion.adopt``); the totals
-    never exceed ``limits``; a detached region's descriptor is closed at once and its mapping
-    goes when the last call using it lets go. Thread-safe (one lock).
+    never exceed ``limits``, all clients together, per credential, per principal and per tenant;
+    a detached region's descriptor is closed at once and its mapping goes when the last call
+    using it lets go. Thread-safe (one lock).
     """
 
     def __init__(self, limits: RegionLimits) -> None:
@@ -61,12 +66,21 @@ class RegionTable:
 
     def attach(self, owner: Owner, region: SharedRegion) -> str:
         """Bind ``region`` to ``owner``; Overloaded when a bound is reached (the region is closed)."""
+        lim = self.limits
         with self._lock:
-            mine = sum(e.owner == owner for e in self._entries.values())
-            if len(self._entries) >= self.limits.max_regions or mine >= self.limits.max_regions_per_owner:
+            owners = [e.owner for e in self._entries.values()]
+            mine = sum(o == owner for o in owners)
+            principal = sum(o[:2] == owner[:2] for o in owners)
+            tenant = sum(o[0] == owner[0] for o in owners)
+            full = [what for what, n, bound in (
+                ("all clients", len(owners), lim.max_regions), ("this credential", mine, lim.max_regions_per_owner),
+                ("this principal", principal, lim.max_regions_per_principal),
+                ("this tenant", tenant, lim.max_regions_per_tenant)) if bound and n >= bound]
+            if full:
                 region.close()
-                raise Overloaded(f"shared-memory regions at their bound ({len(self._entries)} attached, "
-                                 f"{mine} by this credential): use the inline path")
+                raise Overloaded(f"shared-memory regions at their bound for {', '.join(full)} ({len(owners)} "
+                                 f"attached, {mine} by this credential, {principal} by this principal, {tenant} by "
+                                 "this tenant): use the inline path")
             handle = secrets.token_hex(16)
             self._entries[handle] = _Entry(owner, region)
             self.attached_total += 1

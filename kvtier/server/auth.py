@@ -266,7 +266,8 @@ class CallGate(grpc.ServerInterceptor):
             if self._draining:
                 raise TierUnavailable("the daemon is shutting down")
             credential, principal = self._authenticated(method, context.invocation_metadata())
-            self.limit.try_enter()
+            # Bounded per tenant and per principal of the token too: many tokens take no more.
+            self.limit.try_enter(credential.tenant, credential.id)
         except KvtierError as exc:
             self.metrics.call_failed(method, status_of(exc).name)
             self._log_refusal(method, context.peer(), exc)
@@ -341,7 +342,8 @@ class CallGate(grpc.ServerInterceptor):
     def _end(self, call: Call) -> None:
         self.options.reaper.done(call.ticket)
         call.lease.close()
-        self.limit.exit()
+        holder = call.credential if call.credential is not None else call.principal
+        self.limit.exit(holder.tenant, holder.id)
         self.metrics.call_finished(call.method, time.monotonic() - call.started)
 
     @staticmethod

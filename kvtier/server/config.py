@@ -157,6 +157,16 @@ class ServerConfig:
         "Cache RPCs served at once; further calls are RESOURCE_EXHAUSTED (health checks are exempt).",
         check=in_range(1, 10000),
     )
+    max_concurrent_rpcs_per_tenant: int = _f(
+        0, "Cache RPCs of one tenant's credentials served at once (at most max_concurrent_rpcs); 0: half of "
+           "max_concurrent_rpcs, so one tenant never takes every slot.", check=in_range(0, 10000))
+    max_concurrent_rpcs_per_principal: int = _f(
+        0, "Cache RPCs of one principal served at once, whatever tokens it holds (at most max_concurrent_rpcs); "
+           "0: a quarter of max_concurrent_rpcs.", check=in_range(0, 10000))
+    max_remote_misses_per_call: int = _f(
+        64, "Keys a per-key Get may find absent in the shared tiers (S3, a remote daemon) before it stops asking "
+            "them: its remaining keys are misses there, counted as probes_skipped in the tier's errors.",
+        check=in_range(1, 1 << 20))
     max_rpc_seconds: float = _f(
         60.0,
         "Deadline applied to every call (a client's shorter deadline wins).",
@@ -192,6 +202,12 @@ class ServerConfig:
                           check=in_range(1, 4096))
     max_regions_per_client: int = _f(4, "Shared-memory regions one credential may attach at once.",
                                      check=in_range(1, 4096))
+    max_regions_per_principal: int = _f(0, "Shared-memory regions one principal may attach at once, whatever "
+                                           "tokens it holds (at most max_regions); 0: a quarter of max_regions.",
+                                        check=in_range(0, 4096))
+    max_regions_per_tenant: int = _f(0, "Shared-memory regions the principals of one tenant may attach at once "
+                                        "together (at most max_regions); 0: half of max_regions.",
+                                     check=in_range(0, 4096))
     huge_pages: bool = _f(True, "`kvtier serve` backs malloc's heaps with transparent huge pages (glibc on "
                                 "Linux; it restarts itself once with GLIBC_TUNABLES set): stored and promoted "
                                 "blocks land on fresh memory, whose 4 KiB first-touch faults cost more than "

@@ -41,7 +41,7 @@ from kvtier.security.wrapped_keys import MirroredKeyStore
 from kvtier.server.auth import CallGate, GateOptions, verify_keys
 from kvtier.server.backend import Backend
 from kvtier.server.config import DaemonConfig, load_config
-from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
+from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper, share
 from kvtier.server.locate import Locator, locate_settings
 from kvtier.server.locate_http import HttpLocate, LocateHttpServer, tls_context
 from kvtier.server.observability import (
@@ -102,14 +102,18 @@ class Daemon:
             self.backend.close()
             raise
         self.budget = ByteBudget(s.max_inflight_bytes, s.max_inflight_bytes_per_client)
-        self.concurrency = ConcurrencyLimit(s.max_concurrent_rpcs)
+        self.concurrency = ConcurrencyLimit(
+            s.max_concurrent_rpcs, per_tenant=share(s.max_concurrent_rpcs, s.max_concurrent_rpcs_per_tenant, 2),
+            per_principal=share(s.max_concurrent_rpcs, s.max_concurrent_rpcs_per_principal, 4))
         self.reaper = DeadlineReaper()
         salt_key = config.auth.salt_key_file
         salts = RequestSalts(HmacSaltMapper(read_salt_key(salt_key)) if salt_key else None, self.verifier)
         self.gate = CallGate(self.verifier, self.backend.policy, self.budget, self.concurrency,
                              GateOptions(s.max_rpc_seconds, self.metrics, self.reaper), salts)
         self.regions = (None if s.data_plane == "off" else
-                        RegionTable(RegionLimits(s.max_region_bytes, s.max_regions, s.max_regions_per_client)))
+                        RegionTable(RegionLimits(s.max_region_bytes, s.max_regions, s.max_regions_per_client,
+                                                 share(s.max_regions, s.max_regions_per_principal, 4),
+                                                 share(s.max_regions, s.max_regions_per_tenant, 2))))
         self._data_plane: DataPlaneListener | None = None
         self._data_plane_dir: str | None = None
         # The remote tier, when there is one, is the store's last: the one every node reaches.
@@ -121,7 +125,7 @@ class Daemon:
             store=self.backend.store, gate=self.backend.cache.gate,
             purge=self.backend.purge, budget=self.budget, concurrency=self.concurrency, metrics=self.metrics,
             # A put commits well before its buffered blocks approach the per-client budget.
-            limits=ServiceLimits(chunk_bytes=s.chunk_bytes,
+            limits=ServiceLimits(chunk_bytes=s.chunk_bytes, max_remote_misses=s.max_remote_misses_per_call,
                                  put_batch_bytes=max(1, min(16 << 20, s.max_inflight_bytes_per_client // 4))),
             regions=self.regions, data_plane=self._data_plane_offer, locator=self.locator,
         ))

@@ -2,6 +2,9 @@
 
 Both limits refuse instead of queueing: a call over a limit fails at once with Overloaded
 (RESOURCE_EXHAUSTED on the wire), so memory stays bounded and the client decides when to retry.
+Concurrent calls are bounded all clients together, per principal and per tenant (``share``
+derives the last two from the first unless configured), so one principal holding many tokens,
+or one tenant's many principals, cannot take every slot from the others.
 """
 
 from __future__ import annotations
@@ -117,31 +120,74 @@ class Lease:
                 self.held = 0
 
 
-class ConcurrencyLimit:
-    """At most ``limit`` calls at once; ``try_enter`` refuses (Overloaded) rather than waits.
+def share(total: int, configured: int, divisor: int) -> int:
+    """A per-principal or per-tenant bound out of ``total``: ``configured`` (at most ``total``),
+    or, when 0, ``total // divisor`` (at least 1): the one rule for every such default."""
+    return min(configured, total) if configured > 0 else max(1, total // divisor)
 
-    Invariant (under ``_lock``): ``0 <= active <= limit``.
+
+class ConcurrencyLimit:
+    """At most ``limit`` calls at once, at most ``per_tenant`` of one tenant's and
+    ``per_principal`` of one principal's (None: no bound of its own); ``try_enter`` refuses
+    (Overloaded) rather than waits, and ``exit`` names the same tenant and principal.
+
+    Invariant (under ``_lock``): ``0 <= active <= limit``; ``_by`` holds the calls in progress
+    of each tenant (``("t", tenant)``) and principal (``("p", principal)``) that has any, each
+    within its bound, and ``sum`` over tenants ``== active`` for calls that named one.
     """
 
-    def __init__(self, limit: int) -> None:
-        if limit <= 0:
-            raise ValueError("ConcurrencyLimit must be positive")
+    def __init__(self, limit: int, *, per_tenant: int | None = None, per_principal: int | None = None) -> None:
+        if limit <= 0 or (per_tenant is not None and per_tenant <= 0) or (per_principal is not None
+                                                                         and per_principal <= 0):
+            raise ValueError("ConcurrencyLimit bounds must be positive")
         self.limit = limit
+        self.per_tenant = per_tenant
+        self.per_principal = per_principal
         self.active = 0
         self.refused = 0
+        self._by: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
 
-    def try_enter(self) -> None:
+    def try_enter(self, tenant: str | None = None, principal: str | None = None) -> None:
+        keys = self._keys(tenant, principal)
         with self._lock:
+            why = None
             if self.active >= self.limit:
+                why = f"{self.active} calls in progress; the limit is {self.limit}"
+            for (kind, who), bound in keys:
+                if why is None and self._by[(kind, who)] >= bound:
+                    what = "tenant" if kind == "t" else "principal"
+                    why = f"{self._by[(kind, who)]} calls of {what} {who} in progress; the {what} limit is {bound}"
+            if why is not None:
                 self.refused += 1
-                raise Overloaded(f"{self.active} calls in progress; the limit is {self.limit}")
+                raise Overloaded(why)
             self.active += 1
+            for k, _ in keys:
+                self._by[k] += 1
 
-    def exit(self) -> None:
+    def exit(self, tenant: str | None = None, principal: str | None = None) -> None:
+        keys = self._keys(tenant, principal)
         with self._lock:
             assert self.active > 0
             self.active -= 1
+            for k, _ in keys:
+                assert self._by[k] > 0
+                self._by[k] -= 1
+                if not self._by[k]:
+                    del self._by[k]
+
+    def held_by(self, tenant: str | None = None, principal: str | None = None) -> int:
+        """Calls in progress of ``tenant`` (or, given, of ``principal``)."""
+        with self._lock:
+            return self._by.get(("p", principal), 0) if principal is not None else self._by.get(("t", tenant or ""), 0)
+
+    def _keys(self, tenant: str | None, principal: str | None) -> list[tuple[tuple[str, str], int]]:
+        out = []
+        if tenant is not None and self.per_tenant is not None:
+            out.append((("t", tenant), self.per_tenant))
+        if principal is not None and self.per_principal is not None:
+            out.append((("p", principal), self.per_principal))
+        return out
 
 
 class DeadlineReaper:

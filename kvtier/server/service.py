@@ -82,6 +82,7 @@ from kvtier.server.locate import Locator
 from kvtier.server.locate_wire import located_to_msg, query_from_msg
 from kvtier.server.observability import ServerMetrics
 from kvtier.store.lookup import Lookup, TierRun
+from kvtier.store.miss_budget import MissBudget
 from kvtier.store.tiered_store import PutOutcome, Readable, TieredStore
 
 log = logging.getLogger("kvtier.server")
@@ -98,6 +99,8 @@ class ServiceLimits:
     max_keys: int = 65536
     #: Blocks read from the store per step of a Get stream (bounds a stream's read-ahead).
     get_batch_blocks: int = 8
+    #: Keys one per-key Get may find absent in the shared tiers (S3) before it stops asking them.
+    max_remote_misses: int = 64
     #: Completed blocks of a Put buffered before they are committed to the store together.
     put_batch_bytes: int = 16 << 20
 
@@ -242,11 +245,12 @@ class KvCacheService(pb_grpc.KvCacheServicer):
     ) -> Iterator[ChunkFrame | pb.BlockChunk | bytes]:
         step = self._batch(out, len(keys))
         may = self.gate.each(call.principal, keys)
+        misses = MissBudget(self.limits.max_remote_misses)  # the whole call's, through every batch
         with self.store.pins.hold(keys):
             for a in range(0, len(keys), step):
                 call.check_deadline()
                 pos = [i for i in range(a, min(a + step, len(keys))) if may[i]]
-                got = self.store.get_each([keys[i] for i in pos], first=self._frames)
+                got = self.store.get_each([keys[i] for i in pos], first=self._frames, misses=misses)
                 items = [(i, x) for i, x in zip(pos, got, strict=True) if x is not None]
                 yield from self._send(call, items, out)
                 sent[0] += len(items)

@@ -14,6 +14,7 @@ from kvtier.keys import BlockKey, ScopeDomain, key_domain
 from kvtier.store.layer_sink import LayerSink
 from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.metrics import RequestMetrics
+from kvtier.store.miss_budget import MissBudget
 from kvtier.store.pin_table import PinTable
 from kvtier.store.remote_writer import RemoteWriterOptions, WritePolicy, make_write_policy
 from kvtier.store.spill_queue import SpillFailed, SpillOptions, SpillQueue
@@ -209,14 +210,17 @@ class TieredStore:
                     self._put_at(0, promote)
         return out
 
-    def get_each(self, keys: Sequence[BlockKey], *, first: FirstTierReader | None = None) -> list[Readable | None]:
+    def get_each(self, keys: Sequence[BlockKey], *, first: FirstTierReader | None = None,
+                 misses: MissBudget | None = None) -> list[Readable | None]:
         """Each key from the fastest tier that holds it (None where none does), with the same
-        checks and promotion as ``load``: one batched read per tier for the keys still missing."""
+        checks and promotion as ``load``: one batched read per tier for the keys still missing.
+        With ``misses`` (the call's), shared tiers are read in waves and no more once it is spent."""
         self.requests.walked()
         with self.pins.hold(list(keys)):
-            return self._each(keys, first, 0)
+            return self._each(keys, first, 0, misses)
 
-    def _each(self, keys: Sequence[BlockKey], first: FirstTierReader | None, start: int) -> list[Readable | None]:
+    def _each(self, keys: Sequence[BlockKey], first: FirstTierReader | None, start: int,
+              misses: MissBudget | None = None) -> list[Readable | None]:
         """``get_each`` from tier ``start`` down (pins held by the caller)."""
         found: list[Readable | None] = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -224,7 +228,10 @@ class TieredStore:
             if not todo:
                 break
             tier = self.tiers[level]
-            got = list(self._read(level, [keys[i] for i in todo], first))
+            if misses is not None and tier.shared_across_processes:
+                got = self._read_bounded(level, [keys[i] for i in todo], first, misses)
+            else:
+                got = list(self._read(level, [keys[i] for i in todo], first))
             promote: list[Block] = []
             if level == 0 and self.spills is not None:
                 # Evicted from tier 0 but still queued: tier 0's as far as readers can tell.
@@ -248,6 +255,24 @@ class TieredStore:
             if self.promote and promote:
                 self._put_at(0, promote)
         return found
+
+    def _read_bounded(self, level: int, keys: Sequence[BlockKey], first: FirstTierReader | None,
+                      misses: MissBudget) -> list[Readable | None]:
+        """``_read`` of a shared tier in waves of at most what ``misses`` has left, stopping once it
+        is spent; the keys never asked are misses, counted as ``probes_skipped``."""
+        got: list[Readable | None] = [None] * len(keys)
+        pos = 0
+        while pos < len(keys) and misses.left > 0:
+            wave = keys[pos : pos + misses.left]
+            part = self._read(level, wave, first)
+            got[pos : pos + len(wave)] = part
+            misses.spend(sum(not _is(x, k) for x, k in zip(part, wave, strict=True)))
+            pos += len(wave)
+        if pos < len(keys):
+            tier = self.tiers[level]
+            tier.metrics.miss(len(keys) - pos)
+            tier.metrics.error("probes_skipped", len(keys) - pos)
+        return got
 
     def _first_contains(self, keys: Sequence[BlockKey]) -> int:
         """Longest prefix of ``keys`` held by tier 0 or queued on its way down from it."""

@@ -526,6 +526,14 @@ class SeaweedVacuum:
     passed on late gets its own round), or ``timeout_s`` passes
     (TierUnavailable: the purge stays journaled and is resumed). Other S3 services compact on
     their own schedule; see docs/security.md 2.6.
+
+    Purges share vacuums: one runs at a time, and a purge whose deletions were done before a
+    vacuum that completed had started is served by it (that vacuum left no garbage in any
+    volume). So however many purges arrive together, they cost at most the vacuum running and
+    one more. (A purge that deleted nothing runs none: kvtier/cache/kv_cache.py.)
+
+    Invariants (under ``_lock``): ``_covered_until`` is when the last vacuum that completed
+    started; ``runs`` counts vacuums run.
     """
 
     name = "seaweedfs_vacuum"
@@ -534,6 +542,9 @@ class SeaweedVacuum:
         self.master_url = master_url.rstrip("/")
         self.settle_s = settle_s
         self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._covered_until = float("-inf")
+        self.runs = 0
 
     def _get(self, path: str) -> Any:
         import json
@@ -552,6 +563,17 @@ class SeaweedVacuum:
         return sum(int(v.get("DeletedByteCount", 0)) for v in _volumes(self._get("/vol/status")))
 
     def compact(self) -> str:
+        asked = time.monotonic()  # the caller's deletions are done by now
+        with self._lock:
+            if self._covered_until >= asked:
+                return "vacuumed (by a concurrent purge's vacuum)"
+            started = time.monotonic()
+            done = self._vacuum()
+            self._covered_until = started
+            return done
+
+    def _vacuum(self) -> str:
+        self.runs += 1
         deadline = time.monotonic() + self.timeout_s
         rounds = 0
         while True:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvtier.errors import Overloaded
-from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
+from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper, share
 
 
 def test_budget_per_client_and_global() -> None:
@@ -54,6 +54,30 @@ def test_concurrency_limit() -> None:
     lim.exit()
     lim.try_enter()
     assert lim.active == 2 and lim.refused == 1
+
+
+def test_concurrency_limit_per_tenant_and_principal() -> None:
+    lim = ConcurrencyLimit(6, per_tenant=3, per_principal=2)
+    lim.try_enter("acme", "acme/alice")
+    lim.try_enter("acme", "acme/alice")
+    with pytest.raises(Overloaded, match="principal acme/alice"):
+        lim.try_enter("acme", "acme/alice")  # however many tokens alice holds
+    lim.try_enter("acme", "acme/bob")
+    with pytest.raises(Overloaded, match="tenant acme"):
+        lim.try_enter("acme", "acme/carol")
+    lim.try_enter("globex", "globex/dave")  # another tenant is served
+    assert lim.active == 4 and lim.refused == 2 and lim.held_by("acme") == 3 and lim.held_by(principal="acme/bob") == 1
+    lim.exit("acme", "acme/alice")
+    lim.try_enter("acme", "acme/carol")  # a slot of the tenant came back
+    for who in ("acme/alice", "acme/bob", "acme/carol"):
+        lim.exit("acme", who)
+    lim.exit("globex", "globex/dave")
+    assert lim.active == 0 and lim.held_by("acme") == 0 and lim.held_by("globex") == 0
+
+
+def test_share_defaults_to_a_fraction_and_never_exceeds_the_total() -> None:
+    assert share(256, 0, 2) == 128 and share(256, 0, 4) == 64 and share(3, 0, 4) == 1
+    assert share(16, 6, 2) == 6 and share(16, 40, 2) == 16
 
 
 def test_reaper_cancels_only_overdue_calls() -> None:
