@@ -90,12 +90,13 @@ def plot(runs: Sequence[dict[str, Any]], path: Path) -> None:
         names = [r["policy"] for r in rs]
         colors = ["tab:green" if n == "kvtier" else "tab:gray" for n in names]
         axes[0][col].bar(names, [r["ttft_p99_ms"] / 1e3 for r in rs], color=colors)
+        axes[0][col].set_yscale("log")
         axes[0][col].set_title(f"{trace[:24]}\n{nodes} nodes", fontsize=8)
         axes[1][col].bar(names, [r["token_hit_rate"] for r in rs], color=colors)
         for ax in (axes[0][col], axes[1][col]):
             ax.tick_params(axis="x", labelrotation=60, labelsize=7)
             ax.tick_params(axis="y", labelsize=7)
-    axes[0][0].set_ylabel("TTFT p99 (s)")
+    axes[0][0].set_ylabel("TTFT p99 (s, log)")
     axes[1][0].set_ylabel("token hit rate")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
