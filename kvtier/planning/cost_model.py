@@ -262,7 +262,8 @@ class CostModel:
 
 # -- analytic profiles ------------------------------------------------------------------------------
 #: One core's memcpy between large host buffers on a current two-socket server (DDR5): 10-20 GB/s.
-#: Host copies in an engine worker run on one core (vLLM starts its workers with one OpenMP thread).
+#: Host copies in an engine worker run on one core (vLLM sets one OpenMP thread unless
+#: OMP_NUM_THREADS says otherwise).
 H200_HOST_COPY_Bps = 15e9
 #: Host -> HBM DMA from pinned memory over PCIe 5 x16.
 H200_PCIE_Bps = 50e9

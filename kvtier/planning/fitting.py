@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -45,22 +44,22 @@ class _Cell:
 
 @dataclass(slots=True, frozen=True, eq=False)
 class _Surprise:
-    """An observation more than ``change_factor`` off what was expected. ``ratio`` is observed /
-    expected at the time; ``known`` says its cell already had evidence then."""
+    """An observation more than ``surprise_factor`` slower than the fit predicted (``ratio`` is
+    observed / predicted at the time)."""
 
     cell: Hashable
     x: np.ndarray
     y: float
     ratio: float
     tick: int
-    known: bool
 
 
 @dataclass(slots=True)
 class FitStats:
     """What the fit did with its observations (for reports): ``accepted`` as evidence,
     ``held`` back as slow surprises, of those ``confirmed`` by a second opinion (then evidence
-    too) or ``dropped`` (contradicted, expired or crowded out), and evidence ``resets``."""
+    too) or ``dropped`` (contradicted, expired or crowded out), and ``resets``: changes of the
+    system, after which the old evidence was rescaled."""
 
     accepted: int = 0
     held: int = 0
@@ -72,8 +71,8 @@ class FitStats:
 class OnlineLinearFit:
     """``y ~ theta . x`` with ``theta >= 0``, refit from robust per-cell estimates on demand.
 
-    Protocol: ``observe(cell, x, y)`` any number of times, from any thread; ``theta`` / ``predict``
-    at any time.
+    Protocol: ``observe(cell, x, y)`` any number of times, from any thread (``calibrate=True``
+    for a start-up probe's measurements); ``theta`` / ``predict`` at any time.
 
     Invariants (under ``_lock``):
 
@@ -81,27 +80,25 @@ class OnlineLinearFit:
       (see ``_Cell``); its weight in the fit is ``1 / y^2`` (relative error matters, not absolute)
       times ``0.5 ** (age / half_life)`` floored at ``min_weight``, ``age`` counting accepted
       observations;
-    * an observation is *expected* within ``change_factor`` of its cell's estimate, or of the fit's
-      prediction for a cell without evidence (the prior before any observation); outside that it
-      is a *surprise*. The two directions are not alike. A surprisingly *slow* observation is held
-      back (``_pending``) and becomes evidence only when a second one agrees with it (``_agree``:
-      from any cell, off the same way, closer to it than to what was expected), while neither has
-      expired (``pending_ttl`` observations) nor been contradicted by a faster observation of its
-      own cell: one slow outlier (first touch after start-up, a pause, a noisy neighbour) never
-      reaches the fit, whatever its size. A surprisingly *fast* one is evidence at once:
-      contention makes runs slower, not faster, and a belief that something is slower than it is
-      stops the planner from choosing it and so from ever measuring it again, while a belief that
-      it is faster is corrected by the next run;
-    * evidence the old evidence contradicts is a change of the system (a link slowed down or
-      recovered, a neighbour took the cores): two agreeing slow surprises of which one is in a
-      cell with evidence, or surprises after which the refit still misses their cell's estimate
-      by more than ``change_factor``. Old cells would outvote the new evidence for long, so
-      evidence restarts from the surprising observations with the fit so far, scaled by their
-      ratio, as the prior (``_restart``). Otherwise surprises only say the prior or the
-      extrapolation was off there, and stay as evidence;
-    * the prior enters as a ridge in column-scaled coordinates (strength ``ridge`` for the
-      constructor's prior, ``learned_prior_strength`` after a restart): alone it decides before
-      any observation, afterwards only in directions the observations leave undetermined;
+    * an online observation is judged against what the fit predicts for it. Within
+      ``surprise_factor`` of it, or faster, it is evidence at once: contention makes runs slower,
+      not faster, and a belief that something is slower than it is stops the planner from
+      choosing it and so from ever measuring it again, while a belief that it is faster is
+      corrected by the next run;
+    * a surprisingly *slow* observation is held back (``_pending``) until a second opinion agrees
+      with it (``_agree``: off the same way, closer to it than to the prediction), from any cell;
+      then both are evidence (the prediction was off there). A faster observation of its cell
+      contradicts it (it is dropped), and it expires after ``pending_ttl`` observations. One slow
+      outlier (first touch after start-up, a pause, a noisy neighbour) therefore never reaches
+      the fit, whatever its size;
+    * ``change_after`` agreeing surprises of one cell in a row, each more than ``change_factor``
+      slower than predicted (``_streaks``), are a change of the system (a link slowed down, a
+      tier got cold), which the fit could not absorb as evidence: that cell keeps only them, and
+      every other cell and the prior are scaled by their ratio and aged (``_change``). Smaller
+      sustained slowdowns reach the cells as confirmed evidence and move their low quantiles;
+    * the prior enters as a ridge of strength ``ridge`` in column-scaled coordinates: alone it
+      decides before any observation, afterwards only in directions the observations leave
+      undetermined;
     * ``_theta`` caches the solution; accepted evidence invalidates it.
     """
 
@@ -114,8 +111,9 @@ class OnlineLinearFit:
         half_life: float = 48.0,
         min_weight: float = 0.05,
         ridge: float = 1e-4,
-        learned_prior_strength: float = 0.1,
-        change_factor: float = 2.0,
+        surprise_factor: float = 2.0,
+        change_factor: float = 4.0,
+        change_after: int = 3,
         pending_ttl: int = 32,
     ) -> None:
         if len(prior) != len(names):
@@ -124,20 +122,24 @@ class OnlineLinearFit:
             raise ValueError(f"OnlineLinearFit: prior parameters must be finite and >= 0, got {list(prior)}")
         if window < 1:
             raise ValueError("OnlineLinearFit: window must be >= 1")
-        if not change_factor > 1:
-            raise ValueError("OnlineLinearFit: change_factor must be > 1")
+        if not 1 < surprise_factor <= change_factor:
+            raise ValueError("OnlineLinearFit: need 1 < surprise_factor <= change_factor")
+        if change_after < 2:
+            raise ValueError("OnlineLinearFit: change_after must be >= 2 (one observation is no change)")
         self.names = tuple(names)
         self.window = window
         self.half_life = half_life
-        self.learned_prior_strength = learned_prior_strength
+        self.surprise_factor = surprise_factor
         self.change_factor = change_factor
+        self.change_after = change_after
         self.pending_ttl = pending_ttl
         self.min_weight = min_weight
         self.ridge = ridge
         self._prior = np.asarray(prior, dtype=np.float64)
-        self._prior_strength = ridge
         self._cells: dict[Hashable, _Cell] = {}
         self._pending: list[_Surprise] = []
+        #: Per cell, its latest slow surprises in a row that agree with each other.
+        self._streaks: dict[Hashable, list[_Surprise]] = {}
         #: Accepted observations (the age clock of cells).
         self._tick = 0
         #: Every observation received (the clock of pending surprises).
@@ -147,62 +149,64 @@ class OnlineLinearFit:
         self._lock = threading.Lock()
 
     # -- observing ------------------------------------------------------------------------------
-    def observe(self, cell: Hashable, x: Sequence[float], y: float) -> bool:
-        """Record one observation; returns whether it is evidence now (False: held back)."""
+    def observe(self, cell: Hashable, x: Sequence[float], y: float, *, calibrate: bool = False) -> bool:
+        """Record one observation; returns whether it is evidence now (False: held back).
+
+        ``calibrate``: a start-up probe's deliberate measurement, evidence at once (the probe is
+        what the online observations are then judged against)."""
         if not (math.isfinite(y) and y >= 0):
             raise ValueError(f"observed time must be finite and >= 0, got {y!r}")
         xv = np.asarray(x, dtype=np.float64)
         with self._lock:
             self._seen += 1
             self._expire()
-            c = self._cells.get(cell)
-            before = self._solved().copy()
-            expected = c.y if c is not None else float(xv @ before)
-            ratio = _ratio(y, expected)
-            slow, fast = ratio > self.change_factor, ratio < 1 / self.change_factor
-            new = _Surprise(cell, xv, y, ratio, self._seen, c is not None)
-            if not slow:
+            ratio = 1.0 if calibrate else _ratio(y, float(xv @ self._solved()))
+            if ratio <= self.surprise_factor:
+                # Expected, or surprisingly fast: evidence. Slow surprises of this cell it
+                # contradicts were outliers.
                 self._add(cell, xv, y)
                 self.stats.accepted += 1
-                self._drop(lambda s: s.cell == cell)  # slow surprises of this cell were outliers
-                if fast and c is not None and not self._reconciled([new]):
-                    self._restart([new], before)
+                self._drop(lambda s: s.cell == cell)
+                self._streaks.pop(cell, None)
+                return True
+            new = _Surprise(cell, xv, y, ratio, self._seen)
+            self.stats.held += 1
+            streak = self._streaks.setdefault(cell, [])
+            if ratio <= self.change_factor or (streak and not self._agree(streak[-1].ratio, ratio)):
+                streak.clear()
+            if ratio > self.change_factor:
+                streak.append(new)
+            if len(streak) >= self.change_after:
+                group = list(streak)
+                waiting = [s for s in self._pending if any(s is g for g in group)]
+                self._pending = [s for s in self._pending if not any(s is w for w in waiting)]
+                self.stats.confirmed += len(waiting) + 1
+                self.stats.accepted += len(waiting) + 1
+                self._change(group)
                 return True
             agree = [s for s in self._pending if self._agree(s.ratio, ratio)]
-            self.stats.held += 1
             if not agree:
                 self._pending.append(new)
                 if len(self._pending) > 4 * self.window:
                     self._drop(lambda s: s is self._pending[0])
                 return False
-            group = [*agree, new]
             self._pending = [s for s in self._pending if not any(s is a for a in agree)]
-            self.stats.confirmed += len(group)
-            self.stats.accepted += len(group)
-            for s in group:
+            self.stats.confirmed += len(agree) + 1
+            self.stats.accepted += len(agree) + 1
+            for s in (*agree, new):
                 self._add(s.cell, s.x, s.y)
-            if any(s.known for s in group) or not self._reconciled(group):
-                self._restart(group, before)
             # Whatever else those cells held back disagrees with what was just confirmed.
-            cells = {s.cell for s in group}
+            cells = {s.cell for s in (*agree, new)}
             self._drop(lambda s: s.cell in cells)
             return True
 
     @staticmethod
     def _agree(a: float, b: float) -> bool:
         """Two surprise ratios tell the same story: off the same way, and closer to each other
-        than either is to what was expected (a 20x outlier does not confirm a 2x offset, while
-        1/800 and 1/3000 both say "far faster now")."""
+        than either is to the prediction (a 10x outlier does not confirm a 2.5x offset, while
+        800x and 3000x both say "far slower now")."""
         la, lb = math.log(a), math.log(b)
         return (la > 0) == (lb > 0) and abs(la - lb) < min(abs(la), abs(lb))
-
-    def _reconciled(self, group: list[_Surprise]) -> bool:
-        """Whether the refit, with ``group`` added, predicts every cell of it within
-        ``change_factor`` of the cell's estimate (False: the old evidence contradicts the new).
-        Caller holds ``_lock``."""
-        theta = self._solved()
-        cells = [self._cells[c] for c in {s.cell for s in group}]
-        return all(max(r, 1 / r) <= self.change_factor for r in (_ratio(c.y, float(c.x @ theta)) for c in cells))
 
     def _add(self, cell: Hashable, x: np.ndarray, y: float) -> None:
         """One more accepted observation of ``cell``. Caller holds ``_lock``."""
@@ -223,17 +227,27 @@ class OnlineLinearFit:
     def _expire(self) -> None:
         self._drop(lambda s: self._seen - s.tick >= self.pending_ttl)
 
-    def _restart(self, group: list[_Surprise], before: np.ndarray) -> None:
-        """Evidence restarts from ``group`` (confirmed surprises the old evidence contradicts):
-        the fit ``before`` the last of them, scaled by their geometric-mean ratio, becomes the
-        prior (every kind of request first assumed to have changed alike; cells seen from now on
-        correct that). Caller holds ``_lock``."""
-        scale = math.exp(statistics.fmean(math.log(s.ratio) for s in group))
-        self._prior = before * scale
-        self._prior_strength = self.learned_prior_strength
+    def _change(self, group: list[_Surprise]) -> None:
+        """The system changed: the cell of ``group`` keeps only its observations, and every other
+        cell, and the prior, are scaled by the group's geometric-mean ratio. Every kind of request
+        is first assumed to have changed alike, so the fit keeps its shape, and each old cell
+        stands for one aged observation (weight ``min_weight``) that its first real observation
+        replaces or outvotes (a faster one at once). Dropping the old cells instead would leave a
+        multi-parameter fit to one cell; keeping them unscaled would not let the fit follow (with
+        relative errors, over-predicting many fast old cells costs more than under-predicting
+        the changed one by any factor). Caller holds ``_lock``."""
         self.stats.resets += 1
-        self._cells = {}
+        scale = math.exp(sum(math.log(s.ratio) for s in group) / len(group))
+        changed = group[0].cell
+        aged = self._tick - _AGED
+        old, self._cells = self._cells, {}
+        for key, c in old.items():
+            if key != changed:
+                self._cells[key] = _Cell(deque([c.x], maxlen=self.window), deque([c.y * scale], maxlen=self.window),
+                                         aged)
+        self._prior = self._prior * scale
         self._drop(lambda s: True)
+        self._streaks.clear()
         for s in group:
             self._add(s.cell, s.x, s.y)
 
@@ -277,9 +291,11 @@ class OnlineLinearFit:
         y = np.array([c.y for c in cells])
         age = np.array([self._tick - c.tick for c in cells], dtype=np.float64)
         w = np.maximum(0.5 ** (age / self.half_life), self.min_weight) / np.maximum(y, 1e-9) ** 2
-        return nonnegative_least_squares(x, y, w, prior=self._prior, ridge=self._prior_strength)
+        return nonnegative_least_squares(x, y, w, prior=self._prior, ridge=self.ridge)
 
 
+#: Age that makes a cell old: its weight falls to ``min_weight``.
+_AGED = 10**9
 #: Times below this are measurement granularity, not cost: ratios are taken above it.
 _FLOOR_S = 1e-5
 

@@ -55,7 +55,7 @@ def probe_prefill(engine: ForwardTimer, points: Sequence[tuple[int, int]] = PREF
     engine.time_forward(engine.layout.block_tokens, engine.layout.block_tokens)  # one-time costs
     for _ in range(repeats):
         for i, (new, ctx) in enumerate(points):
-            prof.observe(new, ctx, engine.time_forward(new, ctx, seed=i))
+            prof.observe(new, ctx, engine.time_forward(new, ctx, seed=i), calibrate=True)
     return prof
 
 
@@ -63,7 +63,7 @@ def probe_host_to_device(engine: ForwardTimer, block_counts: Sequence[int] = (4,
     prof = HostToDeviceProfile(5e9)
     bpb = engine.layout.bytes_per_block
     for n in (*block_counts, *block_counts):
-        prof.observe(n * bpb, engine.time_assemble(n))
+        prof.observe(n * bpb, engine.time_assemble(n), calibrate=True)
     return prof
 
 
@@ -142,7 +142,7 @@ def probe_tier(
                     _check_all(tier, got)
                     nbytes = c * size
                     dec = nbytes / decrypt_Bps if encrypted else 0.0
-                    prof.observe(c, nbytes, max(dt - dec, 0.0))
+                    prof.observe(c, nbytes, max(dt - dec, 0.0), calibrate=True)
         if compute is not None:
             written += _probe_overlap(tier, prof, compute, spec, decrypt_Bps, domain)
     finally:

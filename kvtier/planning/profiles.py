@@ -90,11 +90,13 @@ class TierProfile:
             return 0.0
         return float(self._fit.predict(np.array([1.0, blocks, nbytes])))
 
-    def observe(self, blocks: int, nbytes: int, seconds: float) -> None:
-        """One transfer of ``blocks`` blocks / ``nbytes`` bytes that took ``seconds`` (decryption excluded)."""
+    def observe(self, blocks: int, nbytes: int, seconds: float, *, calibrate: bool = False) -> None:
+        """One transfer of ``blocks`` blocks / ``nbytes`` bytes that took ``seconds`` (decryption
+        excluded); ``calibrate``: a start-up probe's measurement (see OnlineLinearFit.observe)."""
         if blocks <= 0:
             return
-        self._fit.observe((_octave(blocks), _octave(nbytes / blocks)), (1.0, blocks, nbytes), max(seconds, 0.0))
+        self._fit.observe((_octave(blocks), _octave(nbytes / blocks)), (1.0, blocks, nbytes), max(seconds, 0.0),
+                          calibrate=calibrate)
 
     def observe_overlap(self, fraction: float, *, calibrate: bool = False) -> None:
         """One pipelined run's overlap penalty; ``calibrate`` (a start-up probe's deliberate
@@ -164,10 +166,13 @@ class PrefillProfile:
         t = self._fit.predict(self.features(new_a, np.asarray(ctx, dtype=np.float64)))
         return np.where(new_a > 0, t, 0.0)
 
-    def observe(self, new: int, ctx: int, seconds: float) -> None:
+    def observe(self, new: int, ctx: int, seconds: float, *, calibrate: bool = False) -> None:
+        """One prefill of ``new`` tokens after ``ctx`` cached ones; ``calibrate``: a start-up
+        probe's measurement (see OnlineLinearFit.observe)."""
         if new <= 0:
             raise ValueError("a prefill computes at least one token")
-        self._fit.observe((_octave(new), _octave(ctx + 1)), self.features(np.array(new), np.array(ctx)), seconds)
+        self._fit.observe((_octave(new), _octave(ctx + 1)), self.features(np.array(new), np.array(ctx)), seconds,
+                          calibrate=calibrate)
 
     @property
     def observations(self) -> int:
@@ -196,9 +201,9 @@ class HostToDeviceProfile:
         b = np.asarray(nbytes, dtype=np.float64)
         return np.where(b > 0, self._fit.predict(np.stack([np.ones_like(b), b], axis=-1)), 0.0)
 
-    def observe(self, nbytes: int, seconds: float) -> None:
+    def observe(self, nbytes: int, seconds: float, *, calibrate: bool = False) -> None:
         if nbytes > 0:
-            self._fit.observe(_octave(nbytes), (1.0, nbytes), seconds)
+            self._fit.observe(_octave(nbytes), (1.0, nbytes), seconds, calibrate=calibrate)
 
     @property
     def bandwidth_Bps(self) -> float:

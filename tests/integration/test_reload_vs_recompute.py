@@ -73,8 +73,9 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_sweep_writes_the_promised_json_and_plot(tmp_path, capsys) -> None:
-    """Two independent sweeps by default; each case's plans ran equally often; the noise section
-    pairs every case across the sweeps."""
+    """Two independent sweeps by default; each case's plans ran equally often, in at least three
+    rounds; regret is the median paired ratio with its band; the noise section pairs every case
+    across the sweeps."""
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     assert rvr.run(_args(json=str(out), plot=str(png), workdir=str(tmp_path / "wd"))) == 0
     res = json.loads(out.read_text())
@@ -83,15 +84,23 @@ def test_sweep_writes_the_promised_json_and_plot(tmp_path, capsys) -> None:
         assert sw["summary"]["cases"] == 4 == len(sw["cases"])
         for c in sw["cases"]:
             assert {"model", "prefix_tokens", "new_tokens", "tier", "encrypted", "measured_ms", "predicted_ms",
-                    "chosen", "best", "regret", "runs"} <= set(c)
+                    "chosen", "best", "regret", "regret_band", "regret_of_minima", "reason", "runs"} <= set(c)
             assert set(c["measured_ms"]) == set(c["predicted_ms"]) == set(c["runs"]) == set(rvr.PLANS)
             assert len(set(c["runs"].values())) == 1  # every plan of a case ran the same number of times
+            assert min(c["runs"].values()) >= rvr.MIN_ROUNDS
             assert c["best"] == min(c["measured_ms"], key=c["measured_ms"].get)
-            assert c["regret"] == pytest.approx(c["measured_ms"][c["chosen"]] / c["measured_ms"][c["best"]] - 1)
+            lo, hi = c["regret_band"]
+            assert lo <= c["regret"] <= hi
+            if c["chosen"] == c["best"]:
+                assert c["regret"] == lo == hi == 0.0
+            assert c["reason"] in ("fastest", "simpler")  # every plan ran: no re-probe needed
             assert c["max_logprob_diff"] <= LOGPROB_TOLERANCE["bfloat16"]
         regrets = sorted(c["regret"] for c in sw["cases"])
         assert sw["summary"]["max_regret"] == regrets[-1]
         assert sw["summary"]["median_regret"] == pytest.approx((regrets[1] + regrets[2]) / 2)
+        lows = [max(c["regret_band"][0], 0.0) for c in sw["cases"]]
+        assert sw["summary"]["max_regret_beyond_noise"] == max(lows)
+        assert len(sw["summary"]["misses"]) == sum(c["regret_band"][0] > rvr.REGRET_TARGET for c in sw["cases"])
     noise = res["noise"]
     assert len(noise["cases"]) == 4 == noise["summary"]["cases"]
     for n in noise["cases"]:
@@ -107,6 +116,18 @@ def test_sweep_writes_the_promised_json_and_plot(tmp_path, capsys) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "median regret" in table and "lmdb" in table and "regret spread" in table and "sweep 2 of 2" in table
+    assert "noise band" in table and "beyond its noise band" in table
+
+
+def test_regret_is_paired_by_round_with_its_band() -> None:
+    """A round where the machine was slow slows both plans of it: the paired ratio stays put."""
+    chosen = [0.12, 0.24, 0.13]  # round 2 ran under contention
+    best = [0.10, 0.20, 0.10]
+    regret, band = rvr.paired_regret(chosen, best)
+    assert regret == pytest.approx(0.2) and band == pytest.approx((0.2, 0.3))
+    # Control: unpaired, the slow round makes the chosen plan look 2.4x slower than the best.
+    assert max(chosen) / min(best) - 1 > 1.0
+    assert rvr.paired_regret(best, best) == (0.0, (0.0, 0.0))
 
 
 def test_every_plan_of_a_case_gets_the_same_number_of_runs() -> None:
@@ -114,8 +135,8 @@ def test_every_plan_of_a_case_gets_the_same_number_of_runs() -> None:
     more runs than a slow one (that biased regret towards 0)."""
     assert rvr.runs_per_plan([1.0, 400.0, 200.0, 150.0], budget_s=1.5) == int(1.5 * 4 / 0.751)
     assert rvr.runs_per_plan([0.1, 0.2, 0.1, 0.1], budget_s=1.5) == 9
-    assert rvr.runs_per_plan([50.0, 2000.0, 1500.0, 1200.0], budget_s=1.5) == 2
-    assert rvr.runs_per_plan([50.0, 9000.0, 6000.0, 5000.0], budget_s=1.5) == 1
+    assert rvr.runs_per_plan([50.0, 2000.0, 1500.0, 1200.0], budget_s=1.5) == rvr.MIN_ROUNDS == 3
+    assert rvr.runs_per_plan([50.0, 9000.0, 6000.0, 5000.0], budget_s=1.5) == rvr.MIN_ROUNDS
 
 
 def test_one_sweep_reports_no_noise(tmp_path) -> None:

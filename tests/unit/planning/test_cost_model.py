@@ -94,6 +94,43 @@ def test_prefill_profile_learns_an_engine_that_masks_attention_after_a_cache() -
     assert one_rate < 0.8 * masking_engine_s(4080, 16)
 
 
+def test_prefill_profile_is_not_moved_by_contention() -> None:
+    """A benchmark sweep's prefills on a loaded host: 30 % of them slowed down by a heavy-tailed
+    factor around 2x. The probe calibrates; the online observations must not drag the profile."""
+    from kvtier.planning.fitting import OnlineLinearFit
+    from kvtier.planning.probes import PREFILL_PROBE_POINTS
+
+    def sweep(fit: OnlineLinearFit) -> None:
+        rng = np.random.default_rng(7)
+
+        def observe(new: int, ctx: int, seconds: float, calibrate: bool = False) -> None:
+            fit.observe((new, ctx), PrefillProfile.features(np.array(new), np.array(ctx)), seconds, calibrate=calibrate)
+
+        for _ in range(2):
+            for new, ctx in PREFILL_PROBE_POINTS:
+                observe(new, ctx, masking_engine_s(new, ctx), calibrate=True)
+        for n in (64, 1024, 4096, 64, 1024, 4096):  # per case, per round: what each plan computes
+            for _ in range(9 if n < 4096 else 3):
+                for new, ctx in ((32, n), (n + 32, 0), (n + 16, 16), (32, n)):
+                    slow = float(np.exp(abs(rng.normal(0.7, 0.6)))) if rng.random() < 0.3 else 1.0
+                    observe(new, ctx, masking_engine_s(new, ctx) * slow)
+
+    def worst(fit: OnlineLinearFit) -> float:
+        checks = ((4112, 0), (4112, 16), (2080, 2048), (32, 4096), (1056, 0), (96, 0))
+        predicted = [float(fit.predict(PrefillProfile.features(np.array(n), np.array(c)))) for n, c in checks]
+        return max(abs(p / masking_engine_s(n, c) - 1) for p, (n, c) in zip(predicted, checks, strict=True))
+
+    prior = (1e-3, 1e-5, 1e-9, 1e-9, 0.0, 1e-8)
+    fit = OnlineLinearFit(PrefillProfile.NAMES, prior, half_life=64.0)  # PrefillProfile's own settings
+    sweep(fit)
+    assert worst(fit) < 0.15 and fit.stats.resets == 0 and fit.stats.held > 0
+    # Control: believing a change after two slow observations of a cell in a row (as the fit did
+    # before) rescales everything on a burst of contention.
+    hasty = OnlineLinearFit(PrefillProfile.NAMES, prior, half_life=64.0, change_factor=2.0, change_after=2)
+    sweep(hasty)
+    assert hasty.stats.resets > 0 and worst(hasty) > 0.3
+
+
 def test_prior_alone_predicts_the_analytic_formula() -> None:
     prof = TierProfile("t", latency_s=5e-3, bandwidth_Bps=1e8, per_block_s=1e-4)
     assert prof.predict(10, 10 * BPB) == pytest.approx(5e-3 + 10e-4 + 10 * BPB / 1e8, rel=1e-6)
@@ -108,14 +145,16 @@ def test_profile_follows_a_slowdown_within_a_few_observations() -> None:
     slow = 1e-4 + 64 * BPB / 1e7  # the link is now 100x slower
     prof.observe(64, 64 * BPB, slow)
     assert prof.predict(64, 64 * BPB) == pytest.approx(normal)  # one outlier is held back
-    prof.observe(64, 64 * BPB, slow)
+    prof.observe(64, 64 * BPB, slow)  # two agree: evidence, but the cell's low quantile holds
+    assert prof.predict(64, 64 * BPB) == pytest.approx(normal, rel=0.05) and prof._fit.resets == 0
+    prof.observe(64, 64 * BPB, slow)  # three in a row: the system changed
     assert prof.predict(64, 64 * BPB) == pytest.approx(slow, rel=0.05)
     assert prof.predict(32, 32 * BPB) > 10 * (1e-4 + 32 * BPB / 1e9)  # the change carries over
-    fast = 1e-4 + 64 * BPB / 1e9  # and back
-    prof.observe(64, 64 * BPB, fast)
+    fast = 1e-4 + 64 * BPB / 1e9  # and back: faster observations are evidence at once, and
+    prof.observe(64, 64 * BPB, fast)  # the cell's low quantile follows from the second one
     prof.observe(64, 64 * BPB, fast)
     assert prof.predict(64, 64 * BPB) == pytest.approx(fast, rel=0.05)
-    assert prof._fit.resets == 2
+    assert prof._fit.resets == 1
 
 
 def test_a_single_outlier_does_not_restart_the_fit() -> None:

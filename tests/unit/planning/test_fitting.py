@@ -19,7 +19,7 @@ def fit(**kw: float) -> OnlineLinearFit:
 
 def naive() -> OnlineLinearFit:
     """The control: the latest observation of a cell is its truth."""
-    return fit(window=1, change_factor=1e12)
+    return fit(window=1, surprise_factor=1e12, change_factor=1e12)
 
 
 def test_one_slow_outlier_is_held_back_in_a_new_cell_and_in_a_known_one() -> None:
@@ -59,7 +59,7 @@ def test_a_10x_outlier_does_not_confirm_a_2x_offset() -> None:
 
 
 def test_a_cell_stands_for_the_low_part_of_its_times() -> None:
-    f = fit(change_factor=1e12)
+    f = fit(surprise_factor=1e12, change_factor=1e12)
     for y in (0.10, 0.30, 0.12, 0.50, 0.11):  # contention adds delay to some runs
         f.observe("a", X, y)
     assert f.predict(X) == pytest.approx(0.11, rel=1e-3)  # second smallest of five
@@ -77,17 +77,21 @@ def test_a_surprisingly_fast_observation_is_evidence_at_once() -> None:
     assert f.predict(X) == pytest.approx(0.1, rel=0.05)
 
 
-def test_a_confirmed_change_of_a_known_cell_restarts_the_evidence() -> None:
+def test_three_slow_observations_of_a_cell_in_a_row_are_a_change() -> None:
     f = OnlineLinearFit(("latency", "per_block"), (1e-3, 1e-4))
     for n in (1, 4, 16, 64, 1, 4, 16, 64):
         f.observe(n, (1.0, n), 1e-3 + n * 1e-4)
     assert f.predict((1.0, 32)) == pytest.approx(1e-3 + 32e-4, rel=0.01)
-    f.observe(64, (1.0, 64), 100 * (1e-3 + 64e-4))  # the link is 100x slower now
-    assert f.predict((1.0, 32)) == pytest.approx(1e-3 + 32e-4, rel=0.01)  # one is an outlier
-    f.observe(64, (1.0, 64), 100 * (1e-3 + 64e-4))
+    for _ in range(2):  # the link is 100x slower now
+        f.observe(64, (1.0, 64), 100 * (1e-3 + 64e-4))
+        # One is an outlier; two are evidence the cell's other observations still outvote.
+        assert f.predict((1.0, 32)) == pytest.approx(1e-3 + 32e-4, rel=0.01) and f.stats.resets == 0
+    f.observe(64, (1.0, 64), 100 * (1e-3 + 64e-4))  # three in a row: a change
     assert f.stats.resets == 1
     assert f.predict((1.0, 64)) == pytest.approx(100 * (1e-3 + 64e-4), rel=0.05)
     assert f.predict((1.0, 4)) > 50 * (1e-3 + 4e-4)  # the other cells assumed to have changed alike
+    f.observe(4, (1.0, 4), 1e-3 + 4e-4)  # but a faster observation of one of them counts at once
+    assert f.predict((1.0, 4)) == pytest.approx(1e-3 + 4e-4, rel=0.3)
 
 
 def test_held_back_surprises_expire_and_a_contradicted_one_is_dropped() -> None:
@@ -102,7 +106,9 @@ def test_held_back_surprises_expire_and_a_contradicted_one_is_dropped() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "match"),
-    [({"window": 0}, "window"), ({"change_factor": 1.0}, "change_factor")],
+    [({"window": 0}, "window"), ({"surprise_factor": 1.0}, "surprise_factor"),
+     ({"surprise_factor": 3.0, "change_factor": 2.0}, "surprise_factor <= change_factor"),
+     ({"change_after": 1}, "change_after")],
 )
 def test_bad_fit_settings_rejected(kw: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
