@@ -152,10 +152,10 @@ def check_event_endpoints(kv_events_config: Any, allow_remote: bool) -> None:
         raise ConfigError(
             f"kvtier: vLLM's KV events would leave this host ({where}). vLLM's own events carry every "
             "prompt's token ids and its cache_salt in clear, and a kvtier salt is the user's credential. "
-            "Publish on loopback or ipc:// (e.g. --kv-events-config '{\"enable_kv_cache_events\": true, "
-            "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\"}') and let a router on this host "
-            "subscribe, or accept the exposure by name: kvtier.allow_remote_kv_events=true "
-            "(docs/security.md, \"KV events\")")
+            "Publish on this host (e.g. --kv-events-config '{\"enable_kv_cache_events\": true, "
+            "\"publisher\": \"zmq\", \"endpoint\": \"ipc:///run/vllm/engine0.events\"}') and let routers "
+            "subscribe there or through a tunnel, or accept the exposure by name: "
+            "kvtier.allow_remote_kv_events=true (docs/security.md 2.13, docs/operations.md)")
 
 
 def parse_mediums(value: Any) -> tuple[tuple[str, str], ...]:

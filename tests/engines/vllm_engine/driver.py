@@ -8,6 +8,7 @@ engine has already resolved (one of its requests'). Output on stdout: ``{"reques
 "token_ids": [...], "logprobs": [{token id: logprob}, ...], "num_cached_tokens": n}`` per request
 (greedy, ``max_tokens`` tokens whatever the end-of-sequence token, the top ``logprobs`` candidates
 of each), then ``{"done": true}``. Failed loads are recomputed (``kv_load_failure_policy``).
+``kv_events``: an endpoint on which vLLM publishes its KV events (``--kv-events-config``).
 
 With kvtier, each line also carries ``counters``: the connector's counters as vLLM's own metrics
 hold them (``vllm:kvtier_connector_events_total``, ``LLM.get_metrics()``), ``{role: {event: n}}``,
@@ -89,6 +90,11 @@ def main(spec_path: str) -> int:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="connectors.vllm_connector",
             kv_role="kv_both", kv_connector_extra_config=spec["kvtier"], kv_load_failure_policy="recompute")
+    if spec.get("kv_events"):  # vLLM's own KV-event publisher, on this endpoint (kvtier adds its tiers)
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=spec["kv_events"])
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False, ignore_eos=True,
                             logprobs=spec["logprobs"])

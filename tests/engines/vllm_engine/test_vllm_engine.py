@@ -160,13 +160,14 @@ class Daemon:
 
 
 def _spec(root: Path, name: str, requests: list[dict[str, Any]], kvtier: dict[str, Any] | None,
-          prefix_caching: bool = False) -> Path:
+          prefix_caching: bool = False, kv_events: str | None = None) -> Path:
     spec = root / f"{name}.json"
     # The driver's flush requests carry the first request's salt: the engine has resolved it by
     # then, so they count nothing (every run here starts with a valid salt).
     spec.write_text(json.dumps({"model": str(llama_dir(root)), "dtype": MODEL.dtype, "requests": requests,
                                 "kvtier": kvtier, "prefix_caching": prefix_caching, "max_tokens": OUTPUT_TOKENS,
-                                "logprobs": TOP_LOGPROBS, "flush_salt": requests[0].get("salt")}))
+                                "logprobs": TOP_LOGPROBS, "flush_salt": requests[0].get("salt"),
+                                "kv_events": kv_events}))
     return spec
 
 
@@ -186,10 +187,10 @@ def _done(out: list[dict[str, Any]]) -> bool:
 
 
 def run_engine(root: Path, name: str, requests: list[dict[str, Any]], *, kvtier: dict[str, Any] | None,
-               prefix_caching: bool = False) -> tuple[list[dict[str, Any]], Counters]:
+               prefix_caching: bool = False, kv_events: str | None = None) -> tuple[list[dict[str, Any]], Counters]:
     """One engine process over ``requests``; the results of each request, in order, and the
-    connector's counters at the end (empty without kvtier)."""
-    spec = _spec(root, name, requests, kvtier, prefix_caching)
+    connector's counters at the end (empty without kvtier). ``kv_events``: vLLM's event endpoint."""
+    spec = _spec(root, name, requests, kvtier, prefix_caching, kv_events)
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("driver.py")), str(spec)], cwd=ROOT,
                           env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=400)
     out = _results(proc.stdout)
@@ -336,6 +337,48 @@ def test_fresh_engines_hit_the_daemon_and_lmdb_after_a_daemon_restart(world) -> 
     same_output(want["P"], res[1], "(f) P from vLLM's cache and kvtier")
     assert counters["scheduler"]["load_tokens"] == 4 * BT + (FULL - 4 * BT), "(f) local + kvtier = cached"
     assert counters["worker"]["loaded_blocks"] == FULL // BT
+
+
+def test_kvtier_blocks_arrive_on_the_engines_own_kv_event_endpoint(world) -> None:
+    """With vLLM's KV events on (loopback ipc://), what kvtier holds for the engine arrives on the
+    engine's own ZMQ endpoint in vLLM's encoding, read with vLLM's own structs: BlockStored under
+    kvtier's mediums for vLLM's engine block hashes of the prompt; its private blocks carry no
+    token ids, and no byte of any event is the request's salt."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+    from vllm.v1.request import Request
+
+    root, daemon, want = world
+    endpoint = f"ipc://{root}/kv-events"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)  # before the engine binds it: ZMQ connects once it does
+    salt = daemon.dep.salt("acme", "events")  # a user of its own: every block is new to the daemon
+    try:
+        res, counters = run_engine(root, "events", [{"tokens": P, "salt": salt}],
+                                   kvtier=daemon.options(kv_events_interval_s=0), kv_events=endpoint)
+        payloads = []
+        while sub.poll(3000):
+            payloads.append(sub.recv_multipart()[2])
+    finally:
+        sub.close(linger=0)
+    same_output(want["P"], res[0], "events")
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+    events = [e for p in payloads for e in decode.decode(p).events]
+    mine = [e for e in events if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK")]
+    # vLLM's engine block hashes of P for this salt, as the engine computed them (sha256, the default).
+    init_none_hash(sha256)
+    req = Request("p", P, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                  block_hasher=get_request_block_hasher(BT, sha256))
+    expected = {maybe_convert_block_hash(h) for h in req.block_hashes[: (len(P) - 1) // BT]}
+    assert {h for e in mine for h in e.block_hashes} == expected
+    assert all(e.token_ids == [] and e.extra_keys is None and e.lora_name is None for e in mine)
+    assert payloads and not any(salt.encode() in p for p in payloads)
+    assert counters["scheduler"]["events_stored_blocks"] >= len(expected)
 
 
 def test_a_daemon_killed_mid_run_means_recompute_not_a_crash(world) -> None:
