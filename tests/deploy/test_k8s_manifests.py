@@ -33,6 +33,9 @@ SEAWEEDFS = BASE / "seaweedfs"
 EMBEDDED = K8S / "overlays" / "embedded-s3"
 EXTERNAL = K8S / "overlays" / "external-s3"
 OVERLAYS = {"embedded-s3": EMBEDDED, "external-s3": EXTERNAL}
+#: `kvtier route` with engine pods sharing the S3 tier (checked by the pod rules, and its own test).
+FLEET = K8S / "overlays" / "fleet"
+ALL_OVERLAYS = {**OVERLAYS, "fleet": FLEET}
 
 NAMESPACE = "kvtier"
 DAEMON_UID = 10001
@@ -162,7 +165,7 @@ def selector_matches(match_labels: dict[str, str], labels: dict[str, str]) -> bo
 
 
 def test_every_kustomization_is_covered():
-    assert set(kustomization_dirs()) >= {BASE, SEAWEEDFS, EMBEDDED, EXTERNAL}
+    assert set(kustomization_dirs()) >= {BASE, SEAWEEDFS, EMBEDDED, EXTERNAL, FLEET}
 
 
 @pytest.mark.parametrize("directory", kustomization_dirs(), ids=lambda p: str(p.relative_to(K8S)))
@@ -278,9 +281,9 @@ def test_overlay_contents(name):
             assert obj["metadata"]["namespace"] == NAMESPACE
 
 
-@pytest.mark.parametrize("name", OVERLAYS)
+@pytest.mark.parametrize("name", ALL_OVERLAYS)
 def test_images_are_pinned(name):
-    objects = render(OVERLAYS[name])
+    objects = render(ALL_OVERLAYS[name])
     images = {c["image"] for _, pod in pod_specs(objects) for c in pod.get("initContainers", []) + pod["containers"]}
     for image in images:
         _, tag, digest = kr.split_image(image)
@@ -296,9 +299,9 @@ def test_images_are_pinned(name):
 # --- security ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", OVERLAYS)
+@pytest.mark.parametrize("name", ALL_OVERLAYS)
 def test_pod_security(name):
-    objects = render(OVERLAYS[name])
+    objects = render(ALL_OVERLAYS[name])
     specs = pod_specs(objects)
     assert {n for n, _ in specs} >= {"DaemonSet/kvtier"}
     for where, pod in specs:
@@ -359,10 +362,10 @@ def test_secrets_are_templates_mounted_read_only():
     assert mount == {"name": volume["name"], "mountPath": "/etc/kvtier/secrets", "readOnly": True}
 
 
-@pytest.mark.parametrize("name", OVERLAYS)
+@pytest.mark.parametrize("name", ALL_OVERLAYS)
 def test_references_resolve(name):
     """Every Secret/ConfigMap/ServiceAccount a pod names exists in the same rendering."""
-    objects = render(OVERLAYS[name])
+    objects = render(ALL_OVERLAYS[name])
     secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
     configmaps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
     accounts = {o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"}
@@ -682,3 +685,59 @@ def test_dockerignore_keeps_secrets_and_local_state_out():
     assert {".git", ".venv", "**/*.key", "**/*.pem"} <= patterns
     for needed in ("pyproject.toml", "README.md", "kvtier", "storage_backends", "connectors", "benchmarks"):
         assert needed not in patterns
+
+
+# --- the fleet overlay (kvtier route) ---------------------------------------------------------------
+
+
+def test_fleet_overlay_routes_to_every_engine_pod_and_its_daemon(tmp_path):
+    objects = render(FLEET)
+    sts = one(objects, "StatefulSet", "vllm")
+    replicas = sts["spec"]["replicas"]
+    assert replicas >= 2
+    assert one(objects, "Service", "vllm")["spec"]["clusterIP"] == "None"
+    pod = sts["spec"]["template"]["spec"]
+    assert sts["spec"]["template"]["metadata"]["labels"]["kvtier.io/engine"] == "true"  # S3 admits them
+    vllm, daemon = pod["containers"]
+    assert (vllm["name"], daemon["name"]) == ("vllm", "kvtier")
+    assert daemon["image"] == DAEMON_IMAGE and daemon["command"] == DAEMON_COMMAND
+    assert vllm["image"] == "ghcr.io/kvtier/vllm-kvtier:0.1.0"
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    flag = next(a for a in vllm["command"] if a.startswith("--kv-transfer-config="))
+    transfer = json.loads(flag.split("=", 1)[1])
+    extra = transfer["kv_connector_extra_config"]
+    assert extra["kvtier.daemon"] == "127.0.0.1:7070" and transfer["kv_connector"] == "KvtierConnector"
+
+    # Each container holds only its own secret: the salts' key never reaches the engine.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def secret_items(container):
+        return {i["key"] for m in container["volumeMounts"] if "secret" in volumes[m["name"]]
+                and volumes[m["name"]]["secret"]["secretName"] == "kvtier-fleet-secrets"
+                for i in volumes[m["name"]]["secret"]["items"]}
+
+    assert secret_items(vllm) == {"engine-token"}
+    assert secret_items(daemon) == {"salt-key"}
+
+    # The daemons' config loads with kvtier's own schema and describes the engine beside them.
+    cm = one(objects, "ConfigMap", "kvtier-fleet-config")
+    (tmp_path / "kvtier.toml").write_text(cm["data"]["kvtier.toml"])
+    from kvtier.server.config import load_config
+
+    config = load_config(tmp_path / "kvtier.toml", env={})
+    block_size = int(next(a for a in vllm["command"] if a.startswith("--block-size=")).split("=")[1])
+    assert config.locate is not None and config.locate.model_id == extra["kvtier.model_id"]
+    assert config.locate.block_tokens == block_size
+    assert config.tiers.disk.path.startswith("/var/lib/kvtier")
+    assert config.auth.salt_key_file == "/etc/kvtier/fleet/salt-key"
+
+    # The router: one --engine per pod, its node the pod's daemon in the membership file.
+    router = one(objects, "Deployment", "kvtier-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["command"][:2] == ["kvtier", "route"] and router["image"] == DAEMON_IMAGE
+    engines = [a.split("=", 1)[1] for a in router["command"] if a.startswith("--engine=")]
+    names = [f"vllm-{i}" for i in range(replicas)]
+    assert engines == [f"{n}=http://{n}.vllm.kvtier.svc:8000" for n in names]
+    members = tomllib.loads(cm["data"]["members.toml"])
+    assert members["nodes"] == {n: f"{n}.vllm.kvtier.svc:7070" for n in names}
+    # The base's node daemons are parked: every engine pod here has its own.
+    assert daemonset(objects)["spec"]["template"]["spec"]["nodeSelector"]["kvtier.io/node-daemon"] == "true"
