@@ -1,0 +1,36 @@
+"""The choice of an engine: lowest predicted TTFT, ties balanced by load (kvtier/router/choice.py)."""
+
+from __future__ import annotations
+
+from kvtier.router.choice import BALANCED, CACHE, QUEUE, Candidate, Chooser, Edge
+
+
+def test_the_cache_decides_when_it_gives_an_edge() -> None:
+    c = Chooser(Edge(0.001, 0.05))
+    got = c.choose([Candidate("a", 0.0, 0.120, 0), Candidate("b", 0.0, 0.010, 3)])
+    assert (got.engine, got.reason) == ("b", CACHE)
+    assert got.predicted_s == 0.010
+
+
+def test_a_queue_outweighs_the_cache() -> None:
+    c = Chooser(Edge(0.001, 0.05))
+    got = c.choose([Candidate("a", 0.0, 0.120, 0), Candidate("b", 1.5, 0.010, 1)])
+    assert (got.engine, got.reason) == ("a", QUEUE)
+
+
+def test_ties_go_to_the_least_loaded_then_in_turn() -> None:
+    c = Chooser(Edge(0.001, 0.05))
+    # Within 5 % of the best: tied; b is less loaded.
+    got = c.choose([Candidate("a", 0.0, 0.100, 2), Candidate("b", 0.0, 0.104, 1)])
+    assert (got.engine, got.reason) == ("b", BALANCED)
+    # 6 % apart: not tied, a wins on its prediction (its service is lower: the cache).
+    assert c.choose([Candidate("a", 0.0, 0.100, 2), Candidate("b", 0.0, 0.106, 1)]).reason == CACHE
+    # Equal everything: a rotation.
+    same = [Candidate("a", 0.0, 0.0, 0), Candidate("b", 0.0, 0.0, 0), Candidate("c", 0.0, 0.0, 0)]
+    c2 = Chooser(Edge())
+    assert [c2.choose(same).engine for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_one_candidate_is_chosen_for_its_queue() -> None:
+    got = Chooser(Edge()).choose([Candidate("a", 0.2, 0.0, 0)])
+    assert (got.engine, got.reason, got.predicted_s) == ("a", QUEUE, 0.2)
