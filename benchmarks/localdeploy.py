@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier.security.master_keys import write_master_key
 from kvtier.security.policy import Principal
-from kvtier.security.salts import mint_salt
+from kvtier.security.salts import DEFAULT_SALT_TTL_S, mint_salt
 from kvtier.security.tokens import MintRequest, mint
 from kvtier.server.auth import hmac_key_from_file
 from kvtier.server.config import DaemonConfig, load_config
@@ -81,14 +81,16 @@ class LocalDeployment:
         server: Mapping[str, Any] | None = None,
         security: Mapping[str, Any] | None = None,
         memory: Mapping[str, Any] | None = None,
+        auth: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write ``kvtier.toml``: the given tiers (disk under ``root/lmdb``), loopback listener on a
-        free port, these key files; ``server``/``security``/``memory`` (``tiers.memory``) entries
-        override the defaults."""
+        free port, these key files; ``server``/``security``/``memory`` (``tiers.memory``)/``auth``
+        entries override the defaults."""
         sections: dict[str, dict[str, Any]] = {
             "server": {"listen": "127.0.0.1:0", "max_concurrent_rpcs": 64, "shutdown_grace_s": 5.0,
                        **(server or {})},
-            "auth": {"token_key_file": str(self.token_key_file), "salt_key_file": str(self.salt_key_file)},
+            "auth": {"token_key_file": str(self.token_key_file), "salt_key_file": str(self.salt_key_file),
+                     **(auth or {})},
             "security": {"server_secret_file": str(self.server_secret_file),
                          "master_key_file": str(self.master_key_file), **(security or {})},
         }
@@ -104,9 +106,10 @@ class LocalDeployment:
     def config(self) -> DaemonConfig:
         return load_config(self.config_file, env={})
 
-    def salt(self, tenant: str, user: str) -> str:
-        """A request salt for ``tenant``/``user``, as the deployment's gateway would mint it."""
-        return mint_salt(self.salt_key, tenant, user)
+    def salt(self, tenant: str, user: str, *, ttl_s: float = DEFAULT_SALT_TTL_S) -> str:
+        """A new request salt for ``tenant``/``user``, as the deployment's gateway would mint it
+        (valid ``ttl_s`` seconds, under an id of its own)."""
+        return mint_salt(self.salt_key, tenant, user, ttl_s=ttl_s)
 
     def token(self, tenant: str = "acme", user: str = "alice", *, roles: tuple[str, ...] = (),
               ttl_s: float = 3600.0, **principal: Any) -> str:

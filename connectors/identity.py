@@ -1,16 +1,20 @@
 """Who a request belongs to, as an engine connector configures it: the salt mapper named by
 ``kvtier.salt_mapper`` and its key material. The mappers themselves (and ``mint_salt``) live in
 ``kvtier.security.salts``, shared with the daemon, which verifies salts for engines that do not
-hold the salt key; they are re-exported here for existing imports.
+hold the salt key; they are re-exported here for existing imports. ``kvtier.salt_max_lifetime_s``
+bounds the lifetime of the hmac salts an engine accepts (24 h by default).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.security.salts import (
+    DEFAULT_SALT_MAX_LIFETIME_S,
+    DEFAULT_SALT_TTL_S,
     MAX_SALT_CHARS,
     MIN_SALT_KEY_BYTES,
     SALT_PREFIX,
@@ -19,10 +23,12 @@ from kvtier.security.salts import (
     TokenSaltMapper,
     mint_salt,
     read_salt_key,
+    salt_id,
 )
 from kvtier.security.tokens import HmacKey, TokenVerifier
 
 __all__ = [
+    "DEFAULT_SALT_TTL_S",
     "MAX_SALT_CHARS",
     "MIN_SALT_KEY_BYTES",
     "SALT_MAPPERS",
@@ -31,6 +37,7 @@ __all__ = [
     "SaltMapper",
     "TokenSaltMapper",
     "mint_salt",
+    "salt_id",
     "salt_mapper",
 ]
 
@@ -39,7 +46,15 @@ def _hmac_mapper(cfg: Mapping[str, Any]) -> SaltMapper:
     path = cfg.get("salt_key_file")
     if not path:
         raise ConfigError("kvtier.salt_key_file: the hmac salt mapper needs a key file")
-    return HmacSaltMapper(read_salt_key(str(path), "kvtier.salt_key_file"))
+    # The longest-lived salt this engine accepts (a stolen one acts for its user at most this long).
+    lifetime = cfg.get("salt_max_lifetime_s", DEFAULT_SALT_MAX_LIFETIME_S)
+    try:
+        seconds = float(lifetime) if not isinstance(lifetime, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"kvtier.salt_max_lifetime_s: must be a positive number of seconds, got {lifetime!r}")
+    return HmacSaltMapper(read_salt_key(str(path), "kvtier.salt_key_file"), max_lifetime_s=seconds)
 
 
 def _token_mapper(cfg: Mapping[str, Any]) -> SaltMapper:

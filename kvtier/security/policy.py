@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from kvtier.errors import AccessDenied, ScopeError
@@ -29,12 +29,20 @@ ROLE_OPERATOR = "operator"
 #: A request router: may ask where a request's prefix is cached (Locate), for the principal of the
 #: request's salt, and nothing else; it has no scope of its own.
 ROLE_ROUTER = "router"
+#: An engine's credential: it acts only for the principal of the salt each call presents
+#: (kvtier/security/salts.py), never for itself, and cannot mint salts.
+ROLE_ENGINE = "engine"
 
 #: Roles that confine a credential to a few methods of the daemon (every other method refused),
 #: and leave it no scope of its own to read, write or delete. A credential holding several of
-#: them may call only what all of them allow.
+#: them may call only what all of them allow. The principal such a credential acts for (a
+#: request's salt) keeps no role (``acted_for``): what it may do is this table's alone.
 CONFINED_ROLES: dict[str, frozenset[str]] = {
     ROLE_ROUTER: frozenset({"Locate"}),
+    # The data path only: a stolen salt reaches no Purge, Delete, ListScope, Stats or Revoke
+    # through an engine (issue 32, point 4). HeldChanges is called saltless, as the engine itself.
+    ROLE_ENGINE: frozenset({"Lookup", "Get", "Put", "Domains", "DataPlane", "Locate", "WatchHeld",
+                            "HeldChanges"}),
 }
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+=-]{0,127}")
@@ -112,6 +120,14 @@ class Principal:
 def confined(p: Principal) -> bool:
     """Whether ``p`` holds a confined role (``CONFINED_ROLES``): it then has no scope of its own."""
     return not p.roles.isdisjoint(CONFINED_ROLES)
+
+
+def acted_for(p: Principal) -> Principal:
+    """``p`` as a confined credential (an engine, a router) acts for it, from a request's salt:
+    without roles. A salt may claim any role (a token salt carries its token's, ``operator``
+    included); none widens what the engine or router does for it (``CONFINED_ROLES``), and no
+    role exempts it from a fail-closed hold."""
+    return replace(p, roles=frozenset()) if p.roles else p
 
 
 def _kind(kind: ScopeKind | str) -> ScopeKind:

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from kvtier.errors import AuthError, ConfigError, DeadlineExceeded, InvalidRequest, KvtierError, TierUnavailable
 from kvtier.rpc.names import AUTH_METADATA, SALT_METADATA
 from kvtier.rpc.status import abort_rpc, status_of
+from kvtier.security.acting_log import ActingLog
 from kvtier.security.policy import Policy, Principal
 from kvtier.security.salts import RequestSalts, SaltMapper, acting_principal
 from kvtier.security.secrets import read_public_file, read_secret_file
@@ -173,6 +174,8 @@ class CallGate(grpc.ServerInterceptor):
         #: Verifies the request salts that engine credentials present (``acting_principal``).
         self.salts = salts if salts is not None else RequestSalts(None, verifier)
         self.policy = policy
+        #: Audits which engine credential acted for which salt's principal (once per pair).
+        self.acting = ActingLog(policy.audit)
         self.budget = budget
         self.limit = limit
         self.options = options
@@ -314,6 +317,7 @@ class CallGate(grpc.ServerInterceptor):
         principal = acting_principal(credential, salt if isinstance(salt, str) else None, self.salts, method)
         if principal is not credential:
             self.policy.require_active(principal)
+            self.acting.acted(credential, principal)
         return credential, principal
 
     def credential(self, token: str) -> Principal:

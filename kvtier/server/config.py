@@ -231,9 +231,15 @@ class AuthConfig:
     audience: str | None = _f(None, "Required token audience (aud claim); unset: tokens without one.")
     salt_key_file: str | None = _f(
         None,
-        "Key of the engines' hmac request salts (kvs2:...). With it, a token with the 'engine' role acts "
+        "Key of the engines' hmac request salts (kvs3:...). With it, a token with the 'engine' role acts "
         "for the principal of the salt each call presents; salts that are kvtier tokens need no key.",
         kind="path",
+    )
+    salt_max_lifetime_s: float = _f(
+        86400.0,
+        "hmac salts valid for longer than this (expires - issued) are refused: the longest a stolen salt "
+        "can act for its user (one is revoked alone as `credential <its id>`).",
+        check=positive,
     )
     max_token_lifetime_s: float = _f(
         86400.0,

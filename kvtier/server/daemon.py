@@ -107,7 +107,9 @@ class Daemon:
             per_principal=share(s.max_concurrent_rpcs, s.max_concurrent_rpcs_per_principal, 4))
         self.reaper = DeadlineReaper()
         salt_key = config.auth.salt_key_file
-        salts = RequestSalts(HmacSaltMapper(read_salt_key(salt_key)) if salt_key else None, self.verifier)
+        hmac_salts = (HmacSaltMapper(read_salt_key(salt_key), max_lifetime_s=config.auth.salt_max_lifetime_s)
+                      if salt_key else None)
+        salts = RequestSalts(hmac_salts, self.verifier)
         self.gate = CallGate(self.verifier, self.backend.policy, self.budget, self.concurrency,
                              GateOptions(s.max_rpc_seconds, self.metrics, self.reaper), salts)
         self.regions = (None if s.data_plane == "off" else

@@ -49,7 +49,7 @@ from kvtier.planning.cost_model import CostModel
 from kvtier.planning.load_decision import engine_choice
 from kvtier.planning.plans import Plan, PlanOption
 from kvtier.planning.profiles import HostToDeviceProfile, PrefillProfile
-from kvtier.security.policy import ROLE_ROUTER, Principal, confined
+from kvtier.security.policy import ROLE_ROUTER, Principal, acted_for, confined
 from kvtier.security.salts import ROLE_ENGINE, SaltMapper
 from kvtier.server.config import LocateConfig
 from kvtier.server.tier_costs import MeasuredTiers
@@ -192,7 +192,7 @@ class Locator:
         assert end is not None
         if ROLE_ENGINE in end.roles or confined(end):
             raise InvalidRequest("cache_salt: names an engine's or a router's credential, not a request's principal")
-        return end
+        return acted_for(end)  # a role the salt claims widens nothing
 
     # -- the query ----------------------------------------------------------------------------------
     def locate(self, credential: Principal, acting: Principal, query: LocateQuery) -> Located:

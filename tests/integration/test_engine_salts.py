@@ -67,11 +67,12 @@ def test_tenants_share_an_engine_and_a_daemon_and_stay_apart(rig) -> None:
     d, dep = rig
     source = DaemonSource(engine(d, dep), SMALL)
     try:
-        alice = source.for_salt(dep.salt("acme", "alice"))
+        alice_salt = dep.salt("acme", "alice")  # a gateway reuses a user's salt until it nears expiry
+        alice = source.for_salt(alice_salt)
         bob = source.for_salt(dep.salt("globex", "bob"))
         assert alice is not None and bob is not None
         assert source.for_salt(None) is None
-        assert source.for_salt(dep.salt("acme", "alice")) is alice  # one client per salt, reused
+        assert source.for_salt(alice_salt) is alice  # one client per salt, reused
         private = alice.cache.chain(alice.principal, [RequestSegment(list(range(3 * BT)), ScopeKind.USER)])
         assert sum(alice.cache.save(alice.principal, private, data(3, 0)).stored.values()) == 3
         assert len(alice.cache.load(alice.principal, private)) == 3

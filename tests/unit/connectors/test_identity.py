@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connectors.identity import HmacSaltMapper, TokenSaltMapper, mint_salt, salt_mapper
+from connectors.identity import HmacSaltMapper, TokenSaltMapper, mint_salt, salt_id, salt_mapper
 from connectors.provision import forget_shared_caches, kvtier_options, shared_cache
 from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.cache.scoping import scope_rule, scoped_chain
@@ -26,9 +26,9 @@ LAYOUT = KVLayout("identity-test", num_layers=2, num_kv_heads=2, head_dim=8, dty
 
 def test_hmac_salts_bind_a_tenant_and_refuse_everything_else() -> None:
     m = HmacSaltMapper(KEY)
-    assert m.principal(mint_salt(KEY, "acme", "alice")) == Principal("acme", "alice")
-    assert m.principal(None) is None and m.principal("") is None
     good = mint_salt(KEY, "acme", "alice")
+    assert m.principal(good) == Principal("acme", "alice", credential_id=salt_id(good))
+    assert m.principal(None) is None and m.principal("") is None
     assert len(good) <= 128 and "/" not in good and "@" not in good, "fits vLLM's cache_salt rules"
     for bad in (good.replace("alice", "bob"), mint_salt(b"x" * 40, "acme", "alice"), "kvs1:acme:00",
                 "acme/alice", good[:-1] + ("0" if good[-1] != "0" else "1"), "kvs1:acme/al:ice:" + "0" * 64,
@@ -64,7 +64,16 @@ def test_mapper_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"salt_key_file.*readable by others"):  # the secret-file rule
         salt_mapper({"salt_key_file": str(f)})
     f.chmod(0o600)
-    assert salt_mapper({"salt_key_file": str(f)}).principal(mint_salt(KEY, "a", "b")) == Principal("a", "b")
+    salt = mint_salt(KEY, "a", "b")
+    assert salt_mapper({"salt_key_file": str(f)}).principal(salt) == Principal("a", "b", credential_id=salt_id(salt))
+    # The longest salt an engine accepts is configured, and checked.
+    short = salt_mapper({"salt_key_file": str(f), "salt_max_lifetime_s": 60})
+    with pytest.raises(AuthError, match="lifetime"):
+        short.principal(mint_salt(KEY, "a", "b", ttl_s=120))
+    assert short.principal(mint_salt(KEY, "a", "b", ttl_s=60)) is not None
+    for bad in (0, -1, "soon", float("nan"), True):
+        with pytest.raises(ConfigError, match="salt_max_lifetime_s"):
+            salt_mapper({"salt_key_file": str(f), "salt_max_lifetime_s": bad})
 
 
 def _cache(cfg: object = None, layout: KVLayout = LAYOUT) -> KVCache:
