@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Protocol
 
 from kvtier.errors import AccessDenied, ScopeError
 from kvtier.keys import PUBLIC, DomainDeriver, Scope, ScopeDomain, ScopeKind
@@ -174,6 +175,12 @@ def _owns(p: Principal, s: Scope) -> bool:
     return s.kind >= ScopeKind.USER and _reads(p, s)
 
 
+def _publishes_in_tenant(p: Principal, s: Scope) -> bool:
+    """A publisher deletes in the shared scope of its own tenant (its org); the public scope,
+    shared by every tenant, is the operator's alone to delete from or purge."""
+    return s.kind is not ScopeKind.PUBLIC and _publishes(p, s)
+
+
 def _tenant_admin(p: Principal, s: Scope) -> bool:
     return ROLE_ADMIN in p.roles and scope_tenant(s) == p.tenant
 
@@ -186,7 +193,7 @@ def _operator(p: Principal, s: Scope) -> bool:
 RULES: dict[Op, tuple[Rule, ...]] = {
     Op.READ: (_reads,),
     Op.WRITE: (_publishes,),
-    Op.DELETE: (_operator, _tenant_admin, _owns, _publishes),
+    Op.DELETE: (_operator, _tenant_admin, _owns, _publishes_in_tenant),
 }
 
 #: Revocation targets are typed strings, recorded verbatim in the audit log.
@@ -214,6 +221,13 @@ class RevocationChange:
         return (self.at, self.origin)
 
 
+class PublisherTrust(Protocol):
+    """Who may write the public scope besides holding ``publish:public``
+    (kvtier/security/public_trust.py's ``PublicTrust``)."""
+
+    def trusts(self, tenant: str, user: str) -> bool: ...
+
+
 #: Told of each change made on this node, after it is recorded and applied (it may raise: the
 #: change then stands here, and the error says it did not reach the other nodes).
 ChangeListener = Callable[[RevocationChange], None]
@@ -235,9 +249,12 @@ class Policy:
     """
 
     def __init__(self, deriver: DomainDeriver, *, audit: AuditLog | None = None, node: str = "local",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, public_trust: PublisherTrust | None = None) -> None:
         self.deriver = deriver
         self.audit = audit
+        #: Who may write the shared public scope (kvtier/security/public_trust.py); None: every
+        #: holder of ``publish:public``, as before the trust list existed.
+        self.public_trust = public_trust
         self.node = node
         self._listeners: tuple[ChangeListener, ...] = ()
         self._clock = clock
@@ -324,7 +341,13 @@ class Policy:
             raise AccessDenied(f"principal {p.id} is revoked")
 
     def decide(self, op: Op, p: Principal, scope: Scope) -> bool:
-        return self.is_active(p) and not confined(p) and any(rule(p, scope) for rule in RULES[op])
+        return (self.is_active(p) and not confined(p) and any(rule(p, scope) for rule in RULES[op])
+                and self._trusted(op, p, scope))
+
+    def _trusted(self, op: Op, p: Principal, scope: Scope) -> bool:
+        """Writes into the public scope, which every tenant reads, need a trusted publisher."""
+        return (op is not Op.WRITE or scope.kind is not ScopeKind.PUBLIC or self.public_trust is None
+                or self.public_trust.trusts(p.tenant, p.user))
 
     def may_call(self, p: Principal, method: str) -> bool:
         """Whether ``p`` may call the daemon's ``method`` (its short name, ``Locate``) at all:

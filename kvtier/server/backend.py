@@ -25,6 +25,7 @@ from kvtier.security.audit import AuditLog
 from kvtier.security.keyring import KeyRing
 from kvtier.security.master_keys import FileKeyProvider, key_provider
 from kvtier.security.policy import Policy, Principal
+from kvtier.security.public_trust import PublicTrust
 from kvtier.security.revocations import RevocationSync
 from kvtier.security.secrets import read_secret_file
 from kvtier.security.timing import TimingMitigations
@@ -102,7 +103,8 @@ class Backend:
         if config.audit_log_path:
             audit = AuditLog(config.audit_log_path)
             closers.append(audit.close)
-        policy = Policy(deriver, audit=audit, node=_node_name())
+        policy = Policy(deriver, audit=audit, node=_node_name(),
+                        public_trust=PublicTrust.parse(sec.public_publishers))
         s3cfg = s3_config(config) if tiers.remote is not None else None
         keyring = None
         if config.encrypting:

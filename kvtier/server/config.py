@@ -63,6 +63,16 @@ def one_of(choices: Callable[[], list[str]]) -> Check:
     return check
 
 
+def _publishers(v: Any) -> str | None:
+    from kvtier.security.public_trust import PublicTrust  # the one parser of the list
+
+    try:
+        PublicTrust.parse(v)
+    except ConfigError as exc:
+        return f"must be a list of trusted publishers: {exc}"
+    return None
+
+
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
@@ -295,6 +305,13 @@ class SecurityConfig:
         check=in_range(0, 1 << 30),
     )
     miss_window_s: float = _f(60.0, "The window of miss_limit, in seconds.", check=positive)
+    public_publishers: str = _f(
+        "*",
+        "Who may write the public scope every tenant reads, besides holding publish:public: "
+        "<tenant>/<user> or <tenant>/* entries, comma-separated; * (the default): every publish:public "
+        "holder, as before; empty: nobody. Only an operator deletes or purges public content.",
+        check=_publishers,
+    )
     revocation_sync_s: float = _f(
         5.0,
         "How often revocations and grants made on other nodes are read from the remote tier's bucket (this "

@@ -102,8 +102,11 @@ def test_deletes(policy: Policy) -> None:
     assert not policy.may_delete(admin, PUBLIC)
     operator = Principal("kvtier", "ops", roles=frozenset({ROLE_OPERATOR}))
     assert all(policy.may_delete(operator, s) for s in (PUBLIC, BOB.user_scope(), ALICE.session_scope()))
-    publisher = Principal("acme", "pub", roles=frozenset({ROLE_PUBLISH_PUBLIC}))
-    assert policy.may_delete(publisher, PUBLIC)
+    # Shared public content is every tenant's: only an operator deletes it (issue 32), while a
+    # publisher of its org still deletes in its org.
+    publisher = Principal("acme", "pub", org="eng", roles=frozenset({ROLE_PUBLISH_PUBLIC, ROLE_PUBLISH_ORG}))
+    assert policy.may_write(publisher, PUBLIC) and not policy.may_delete(publisher, PUBLIC)
+    assert policy.may_delete(publisher, publisher.org_scope())
 
 
 def test_credential_scope_kinds_narrow_never_widen(policy: Policy) -> None:
