@@ -24,8 +24,11 @@ the principal it was watched for may still read that scope (a revocation makes i
 
 Bounds: ``max_keys`` keys per stream (the oldest watched go first; one that was told held is
 then told gone, so the watcher never keeps a block this table forgot), ``max_changes`` changes
-per answer (the rest follow in the next), ``max_streams`` streams in all and
-``max_streams_per_owner`` per owner (least recently used dropped first).
+per answer (the rest follow in the next), ``max_scan`` keys looked at per poll (round the
+stream: with more keys than that, a change is told within ``ceil(keys / max_scan)`` polls),
+``max_streams`` streams in all and ``max_streams_per_owner`` per owner (least recently used
+dropped first). A poll's work is one batched ``holds`` per local tier over at most ``max_scan``
+keys and one dictionary probe per key; the rules are asked once per domain and principal.
 
 Invariants: a stream's ``keys`` hold exactly what it follows, each with the tier it was last
 told (None: not held); ``pending`` is the one answer not yet acknowledged. Thread-safe (one lock;
@@ -41,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.errors import AccessDenied, InvalidRequest
-from kvtier.keys import BlockKey, ScopeKind, key_domain
+from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain, ScopeKind
 from kvtier.security.policy import Policy, Principal
 from kvtier.store.tiered_store import TieredStore
 
@@ -73,6 +76,8 @@ class _Followed:
     private: bool
     #: The tier the watcher was last told (None: not held).
     told: str | None
+    #: ``principal.id`` (asked once per distinct principal and domain in a poll).
+    pid: str = ""
 
 
 @dataclass(slots=True)
@@ -80,6 +85,8 @@ class _Stream:
     epoch: int
     keys: OrderedDict[BlockKey, _Followed] = field(default_factory=OrderedDict)
     cursor: int = 0
+    #: Where the next poll's scan starts (a poll looks at ``max_scan`` keys, round the stream).
+    scan_at: int = 0
     #: The answer not yet acknowledged (key -> tier told), or None.
     pending: dict[BlockKey, str | None] | None = None
     #: Keys dropped for room after being told held: told gone in the next answer.
@@ -98,9 +105,10 @@ class HeldWatch:
     """The node's table of watched keys (see the module docstring)."""
 
     def __init__(self, store: TieredStore, policy: Policy, *, max_keys: int = 65536, max_changes: int = 16384,
-                 max_streams: int = 16, max_streams_per_owner: int = 8) -> None:
-        if min(max_keys, max_changes, max_streams, max_streams_per_owner) <= 0:
+                 max_scan: int = 16384, max_streams: int = 16, max_streams_per_owner: int = 8) -> None:
+        if min(max_keys, max_changes, max_scan, max_streams, max_streams_per_owner) <= 0:
             raise ValueError("HeldWatch bounds must be positive")
+        self.max_scan = max_scan
         self.store = store
         self.policy = policy
         self.max_keys = max_keys
@@ -117,22 +125,25 @@ class HeldWatch:
     def watch(self, owner: str, stream: str, principal: Principal, keys: Sequence[BlockKey]) -> Watched:
         """Follow ``keys`` for ``principal`` (every one must lie in a scope it may read, else
         AccessDenied and nothing is followed); the tier holding each now."""
-        readable = self.policy.readable_domains(principal)
-        private = []
+        readable = {d: s.kind is not ScopeKind.PUBLIC for d, s in self.policy.readable_domains(principal).items()}
+        pid = principal.id
+        followed = []
         for i, k in enumerate(keys):
-            scope = readable.get(key_domain(k))
-            if scope is None:
-                raise AccessDenied(f"key {i} lies in a scope principal {principal.id} cannot read: it may not watch it")
-            private.append(scope.kind is not ScopeKind.PUBLIC)
+            private = readable.get(k[:DOMAIN_BYTES])
+            if private is None:
+                raise AccessDenied(f"key {i} lies in a scope principal {pid} cannot read: it may not watch it")
+            followed.append((k, _Followed(principal, private, None, pid)))
         with self._lock:
             s = self._stream(owner, check_stream(stream))
-            tiers = self._now([(k, _Followed(principal, p, None)) for k, p in zip(keys, private, strict=True)])
-            for k, p, t in zip(keys, private, tiers, strict=True):
-                s.keys[k] = _Followed(principal, p, t)
-                s.keys.move_to_end(k)
+            tiers = self._now(followed)
+            pending = s.pending
+            for (k, f), t in zip(followed, tiers, strict=True):
+                f.told = t
+                s.keys.pop(k, None)  # (re)inserted last: the most recently watched
+                s.keys[k] = f
                 s.forgotten.discard(k)
-                if s.pending is not None:
-                    s.pending.pop(k, None)  # this answer is newer than the unacknowledged one
+                if pending is not None:
+                    pending.pop(k, None)  # this answer is newer than the unacknowledged one
             while len(s.keys) > self.max_keys:
                 k, f = s.keys.popitem(last=False)
                 if f.told is not None:
@@ -148,18 +159,19 @@ class HeldWatch:
                     return HeldChanges(self._instance(s), s.cursor, tuple(s.pending.items()))
                 self._commit(s, s.pending)
                 s.pending = None
-            followed = list(s.keys.items())
+            every = list(s.keys.items())
+            start = s.scan_at % len(every) if every else 0
+            followed = (every[start:] + every[:start])[: self.max_scan]
             now = self._now(followed)
-            out: dict[BlockKey, str | None] = {}
-            for k in s.forgotten:
-                if len(out) >= self.max_changes:
-                    break
-                out[k] = None
+            out: dict[BlockKey, str | None] = dict.fromkeys(list(s.forgotten)[: self.max_changes])
+            seen = 0
             for (k, f), t in zip(followed, now, strict=True):
-                if len(out) >= self.max_changes:
-                    break
                 if t != f.told:
+                    if len(out) >= self.max_changes:
+                        break  # the rest of the window is looked at again next time
                     out[k] = t
+                seen += 1
+            s.scan_at = start + seen
             if out:
                 s.cursor += 1
                 s.pending = out
@@ -203,25 +215,30 @@ class HeldWatch:
                 f.told = t
 
     def _now(self, followed: Sequence[tuple[BlockKey, _Followed]]) -> list[str | None]:
-        """Where each followed key is held now, as the watcher may be told."""
+        """Where each followed key is held now, as the watcher may be told. The rules (a scope
+        under purge, a principal that may no longer read) are asked once per domain and principal."""
         if not followed:
             return []
         tiers = self.store.local_tier_of([k for k, _ in followed])
-        readable: dict[str, frozenset[bytes]] = {}
-        fence = self.store.fence
+        usable: dict[tuple[bytes, str], bool] = {}
         out: list[str | None] = []
         for (k, f), t in zip(followed, tiers, strict=True):
-            dom = key_domain(k)
-            if t is not None and fence.is_closed(dom):
-                t = None  # being purged: gone for every reader
-            elif t is not None and f.private:
-                pid = f.principal.id
-                if pid not in readable:
-                    readable[pid] = frozenset(self.policy.readable_domains(f.principal))
-                if dom not in readable[pid]:
-                    t = None  # its principal was revoked (or lost the scope)
+            if t is not None:
+                at = (k[:DOMAIN_BYTES], f.pid if f.private else "")
+                ok = usable.get(at)
+                if ok is None:
+                    ok = usable[at] = self._usable(at[0], f)
+                if not ok:
+                    t = None
             out.append(t)
         return out
+
+    def _usable(self, domain: bytes, f: _Followed) -> bool:
+        """Not being purged (gone for every reader), and, for a private scope, still readable by
+        the principal it was watched for (not revoked)."""
+        if self.store.fence.is_closed(ScopeDomain(domain)):
+            return False
+        return not f.private or ScopeDomain(domain) in self.policy.readable_domains(f.principal)
 
 
 __all__ = ["HeldChanges", "HeldWatch", "Watched", "check_stream"]

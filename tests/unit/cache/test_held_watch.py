@@ -149,6 +149,25 @@ def test_bounds_keys_changes_and_streams() -> None:
     assert again.instance != first and again.changes == ()
 
 
+def test_a_poll_looks_at_a_window_of_keys_and_goes_round_the_stream() -> None:
+    s = store()
+    w = HeldWatch(s, Policy(DERIVER), max_scan=2)
+    blocks = alices(5)
+    s.put(blocks)
+    keys = [b.key for b in blocks]
+    w.watch("e", "s1", ALICE, keys)
+    s.delete(keys)
+    told: list = []
+    ack = 0
+    for _ in range(3):  # 5 keys, 2 a poll: every removal told within ceil(5 / 2) polls
+        ch = w.changes("e", "s1", ack)
+        assert len(ch.changes) <= 2
+        told += ch.changes
+        ack = ch.cursor
+    assert dict(told) == dict.fromkeys(keys, None)
+    assert w.changes("e", "s1", ack).changes == ()
+
+
 def test_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         HeldWatch(store(), Policy(DERIVER), max_keys=0)
