@@ -44,7 +44,7 @@ from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import error_body
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompts import CHAT, COMPLETIONS, PromptTokenizer, RequestPrompt, request_prompt
-from kvtier.router.proxy import ANSWERED, FAILED_MID_RESPONSE, Proxy
+from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
 from kvtier.router.queue_model import QueueModel
 from kvtier.server.locate import Located
 
@@ -250,8 +250,8 @@ class Router:
                 self.metrics.requests.labels(endpoint, "ok" if ok else "engine_status").inc()
                 assert outcome.response is not None
                 return outcome.response
-            if outcome.kind == FAILED_MID_RESPONSE:
-                self.metrics.requests.labels(endpoint, "failed_mid_response").inc()
+            if outcome.kind in (FAILED_MID_RESPONSE, CLIENT_GONE):
+                self.metrics.requests.labels(endpoint, outcome.kind).inc()
                 assert outcome.response is not None
                 return outcome.response
             self.metrics.attempt_failures.labels(engine.name, "status" if outcome.status else "connection").inc()

@@ -21,7 +21,7 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvtier_router_requests", "Requests answered, by endpoint and outcome "
                                 "(ok, engine_status: the engine's own non-200 answer, bad_request, "
-                                "unavailable: no engine could answer, failed_mid_response)",
+                                "unavailable: no engine could answer, failed_mid_response, client_gone)",
                                 ["endpoint", "outcome"], registry=r)
         self.routed = Counter("kvtier_router_routed", "Attempts sent to an engine, by why it was chosen "
                               "(cache, queue, balanced)", ["engine", "reason"], registry=r)

@@ -43,13 +43,14 @@ MAX_ANSWER_BYTES = 256 << 20
 T = TypeVar("T")
 
 #: Outcome kinds.
-ANSWERED, RETRY, FAILED_MID_RESPONSE = "answered", "retry", "failed_mid_response"
+ANSWERED, RETRY, FAILED_MID_RESPONSE, CLIENT_GONE = "answered", "retry", "failed_mid_response", "client_gone"
 
 
 @dataclass(slots=True, frozen=True)
 class Outcome:
     """``answered`` (``response`` is what the client got), ``retry`` (nothing was sent: try another
-    engine; ``engine_down`` when the engine could not be reached), or ``failed_mid_response``."""
+    engine; ``engine_down`` when the engine could not be reached), ``failed_mid_response`` or
+    ``client_gone`` (the client disconnected during a streamed answer)."""
 
     kind: str
     response: web.StreamResponse | None = None
@@ -97,6 +98,7 @@ class Proxy:
                       on_first_byte: Callable[[], None]) -> Outcome:
         headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
         resp: aiohttp.ClientResponse | None = None
+        done = False  # the engine's answer read to its end: its connection may serve the next
         try:
             try:
                 resp = await _race(self.session.request(method, engine.url + path, data=body or None,
@@ -109,6 +111,7 @@ class Proxy:
                     if len(data) > MAX_ANSWER_BYTES:
                         return Outcome(RETRY, reason=f"answer larger than {MAX_ANSWER_BYTES} bytes")
                     on_first_byte()
+                    done = True
                     out = web.Response(status=resp.status, body=data,
                                        headers=self._headers(resp.headers, engine, route))
                     return Outcome(ANSWERED, out, resp.status)
@@ -122,29 +125,37 @@ class Proxy:
             if not first:
                 return Outcome(RETRY, reason="the stream ended before its first byte")
             on_first_byte()
-            return await self._stream(request, resp, first, engine, route, down)
+            outcome = await self._stream(request, resp, first, engine, route, down)
+            done = outcome.kind == ANSWERED
+            return outcome
         finally:
             if resp is not None:
-                resp.close()  # an attempt given up aborts the engine's request (vLLM aborts on disconnect)
+                if done:
+                    resp.release()
+                else:
+                    resp.close()  # an attempt given up aborts the engine's request (vLLM aborts on disconnect)
 
     async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes, engine: EngineSpec,
                       route: str, down: asyncio.Event) -> Outcome:
         out = web.StreamResponse(status=resp.status, headers=self._headers(resp.headers, engine, route))
         out.headers["Cache-Control"] = "no-cache"
-        await out.prepare(request)
-        await out.write(first)
-        while True:
-            try:
-                chunk = await _race(resp.content.readany(), down)
-            except (_EngineDown, TimeoutError, aiohttp.ClientError) as exc:
-                why = "taken down by the health watch" if isinstance(exc, _EngineDown) else type(exc).__name__
-                await out.write(sse_error(502, f"engine {engine.name} failed mid-response ({why})"))
-                await out.write_eof()
-                return Outcome(FAILED_MID_RESPONSE, out, 200, why, engine_down=isinstance(exc, _EngineDown))
-            if not chunk:
-                break
-            await out.write(chunk)
-        await out.write_eof()
+        try:
+            await out.prepare(request)
+            await out.write(first)
+            while True:
+                try:
+                    chunk = await _race(resp.content.readany(), down)
+                except (_EngineDown, TimeoutError, aiohttp.ClientError) as exc:
+                    why = "taken down by the health watch" if isinstance(exc, _EngineDown) else type(exc).__name__
+                    await out.write(sse_error(502, f"engine {engine.name} failed mid-response ({why})"))
+                    await out.write_eof()
+                    return Outcome(FAILED_MID_RESPONSE, out, 200, why, engine_down=isinstance(exc, _EngineDown))
+                if not chunk:
+                    break
+                await out.write(chunk)
+            await out.write_eof()
+        except ConnectionResetError:  # the client left: the engine's request is aborted (closed)
+            return Outcome(CLIENT_GONE, out, 200, "the client disconnected")
         return Outcome(ANSWERED, out, 200)
 
     @staticmethod

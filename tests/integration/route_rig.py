@@ -116,7 +116,7 @@ def router(root: Path, engines: dict[str, str], *, nodes: dict[str, str] | None 
            token_file: Path | None = None, tokenizer: Path | None = None, extra: tuple[str, ...] = ()) -> Proc:
     """``kvtier route`` over ``engines`` (node -> URL), asking ``nodes`` (name -> daemon address)."""
     cmd = [sys.executable, "-m", "kvtier.cli", "route", "--listen", "127.0.0.1:0", "--log-level", "debug",
-           "--poll-ms", "300", "--health-timeout-ms", "700", "--probe-ms", "300", "--deadline-ms", "700"]
+           "--poll-ms", "300", "--health-timeout-ms", "1500", "--probe-ms", "300", "--deadline-ms", "1500"]
     for node, url in engines.items():
         cmd += ["--engine", f"{node}={url}"]
     for name, address in (nodes or {}).items():

@@ -138,8 +138,10 @@ class TestEngine:
         return web.json_response(self.served)
 
     async def set_prefill(self, request: web.Request) -> web.Response:
-        """The test's knob: this engine's prefill time from now on."""
-        self.prefill_s = float((await request.json())["ms"]) / 1e3
+        """The test's knob: this engine's prefill time (and time per streamed token) from now on."""
+        body = await request.json()
+        self.prefill_s = float(body["ms"]) / 1e3
+        self.token_s = float(body.get("token_ms", 0)) / 1e3
         return web.json_response({"prefill_ms": self.prefill_s * 1e3})
 
 

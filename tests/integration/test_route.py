@@ -15,7 +15,9 @@ answers by load and returns to the cache when the daemon is back; bad input and 
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,8 +79,8 @@ class Fleet:
         finally:
             e.close()
 
-    def prefill(self, name: str, ms: float) -> None:
-        assert call(self.engine_url(name), "/test/prefill", {"ms": ms}).status == 200
+    def prefill(self, name: str, ms: float, token_ms: float = 0) -> None:
+        assert call(self.engine_url(name), "/test/prefill", {"ms": ms, "token_ms": token_ms}).status == 200
 
     def restart_engine(self, name: str) -> None:
         """A killed engine started again on its port (the router knows it by its URL)."""
@@ -227,6 +229,29 @@ def test_a_queue_outweighs_a_cache_edge(fleet: Fleet) -> None:
     # Control: b idle again, the cache wins again.
     again = complete(f.url, Q, alice, stream=True)
     assert (again.engine, again.route) == ("b", "cache")
+
+
+def test_a_client_leaving_mid_stream_ends_the_engines_request(fleet: Fleet) -> None:
+    f = fleet
+    for name in f.engines:
+        f.prefill(name, 0, token_ms=500)  # 8 tokens: 4 s a stream
+    host, port = f.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": Q, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read1(65536).startswith(b"data: ")
+    engine_name = resp.getheader("X-Kvtier-Engine")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    until(lambda: metric(f.url, "kvtier_router_requests_total", endpoint="/v1/completions",
+                         outcome="client_gone") == 1, what="the router saw the client leave")
+    until(lambda: health(f.url)["engines"][engine_name]["inflight"] == 0, what="the attempt ended")
+    # The engine's request was aborted with it (its running count back to 0), and the router serves on.
+    until(lambda: metric(f.engine_url(engine_name), "vllm:num_requests_running") == 0, what="engine request ended")
+    for name in f.engines:
+        f.prefill(name, 0)
+    assert complete(f.url, Q).status == 200
 
 
 # -- engine faults ---------------------------------------------------------------------------------
