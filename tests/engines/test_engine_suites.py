@@ -23,7 +23,9 @@ SUITES = {"vllm": "tests/engines/vllm_suite", "sglang": "tests/engines/sglang_su
           "vllmcpu": "tests/engines/vllm_engine"}
 
 
-@pytest.mark.timeout(1300)  # the running-engine suite starts several vLLM engines (minutes on 2 cores)
+# The running-engine suite starts several vLLM engines (minutes on 2 cores), two of them side by
+# side behind `kvtier route` (test_router_vllm.py).
+@pytest.mark.timeout(2100)
 @pytest.mark.parametrize("engine", sorted(SUITES))
 def test_engine_suite_passes_in_its_venv(engine: str) -> None:
     python = ROOT / f".venv-{engine}" / "bin" / "python"
@@ -40,7 +42,7 @@ def test_engine_suite_passes_in_its_venv(engine: str) -> None:
     # --confcutdir keeps the main suite's conftest (S3 fixtures, boto3) out of the engine venv.
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--confcutdir={suite}",
            "-W", "ignore::DeprecationWarning", suite]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2000)
     tail = (proc.stdout + proc.stderr)[-6000:]
     sys.stdout.write(tail)
     assert proc.returncode == 0, f"{engine} suite failed:\n{tail}"
