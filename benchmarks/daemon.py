@@ -394,7 +394,9 @@ def run(args: argparse.Namespace) -> int:
         dep = LocalDeployment(Path(tmp) / "daemon", server_secret=plan.server_secret)
         dep.write_config(memory_bytes=2 * data_bytes + (64 << 20), server={
             "chunk_bytes": plan.chunk_bytes, "max_message_bytes": max(64 << 20, 2 * plan.chunk_bytes),
-            "max_concurrent_rpcs": max(64, 4 * clients), "log_level": "warning"})
+            # Every client is one load generator's principal: it may use the whole call limit.
+            "max_concurrent_rpcs": max(64, 4 * clients), "max_concurrent_rpcs_per_tenant": max(64, 4 * clients),
+            "max_concurrent_rpcs_per_principal": max(64, 4 * clients), "log_level": "warning"})
         procs: list[subprocess.Popen[bytes]] = []
         try:
             progress(f"starting the daemon and the raw gRPC server ({plan.block_bytes >> 10} KiB blocks, "

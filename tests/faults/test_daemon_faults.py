@@ -335,8 +335,10 @@ def _half_block_stream(block: Block, held: threading.Event, release: threading.E
 
 def test_overload_answers_resource_exhausted(dep: LocalDeployment) -> None:
     per_client = 2 * MID.bytes_per_block
+    # One principal makes every call here: its own and its tenant's shares are the whole limit
+    # (tests/security/test_resource_limits.py tests those shares).
     d = serve(dep, max_inflight_bytes=3 * MID.bytes_per_block, max_inflight_bytes_per_client=per_client,
-              max_concurrent_rpcs=3)
+              max_concurrent_rpcs=3, max_concurrent_rpcs_per_tenant=3, max_concurrent_rpcs_per_principal=3)
     try:
         token = dep.token(roles=PUBLISH)
         big = KVLayout("fault-big", num_layers=8, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
