@@ -231,11 +231,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def peer_plan(args: argparse.Namespace, w: Workload) -> list[Phase]:
-    """The phases and their expected times on the 2-core development machine (the display's
-    estimates; the rounds' is replaced by the rounds measured once one is done): each side's
-    start-up, then every round's phases on both sides."""
+    """The phases and rough expected times (the display's estimates until the first round is done,
+    then the rounds measured take over): each side's start-up, then every round's phases on both
+    sides. A --quick round of kvtier alone took 5:25 at load average 10 on the 2-core development
+    machine; these assume an idle one."""
     both = args.only is None
-    return [Phase("start-up", 20 if both else 8), Phase("rounds", (40 if both else 15) * w.rounds, rounds=w.rounds)]
+    return [Phase("start-up", 30 if both else 5), Phase("rounds", (120 if both else 60) * w.rounds, rounds=w.rounds)]
 
 
 def _command(args: argparse.Namespace) -> str:
