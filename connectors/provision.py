@@ -172,6 +172,12 @@ class CacheSource(ABC):
         """A watch stream on whether the node still holds blocks (connectors/held_feed.py): what
         an engine's KV-event reporter follows."""
 
+    @property
+    @abstractmethod
+    def node(self) -> object:
+        """What store this source reaches: sources with equal nodes hold the same blocks (one
+        watch stream serves them all)."""
+
 
 def _tier_errors(tiers: Iterable[Tier]) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -198,6 +204,10 @@ class LocalSource(CacheSource):
 
     def held_feed(self, stream: str) -> HeldFeed:
         return LocalHeldFeed(self.cache, self.salts, stream)
+
+    @property
+    def node(self) -> object:
+        return ("in-process", id(self.cache.store))
 
 
 class DaemonSource(CacheSource):
@@ -248,6 +258,10 @@ class DaemonSource(CacheSource):
 
     def held_feed(self, stream: str) -> HeldFeed:
         return DaemonHeldFeed(self.root, self.client_for, stream)
+
+    @property
+    def node(self) -> object:
+        return ("daemon", self.root.config.address)
 
     def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
         # Every salt's client shares the root's channel, so its Put finds blocks in this region.

@@ -355,10 +355,16 @@ class KvtierConnector(KVConnectorBase_V1):
         #: Scheduler side, with vLLM's KV events on: what the node holds for this engine, as events.
         self.kv_events: KvEventReporter | None = None
         if role == KVConnectorRole.SCHEDULER and events is not None:
+            # One watch stream per node the ranks' sources reach (the daemon: one for every rank).
+            stream, feeds, rank_feed, nodes = new_stream(), [], [], {}
+            for src in (self.source, *(src for _, src in self._ranks)):
+                if src.node not in nodes:
+                    nodes[src.node] = len(feeds)
+                    feeds.append(src.held_feed(stream))
+                rank_feed.append(nodes[src.node])
             self.kv_events = KvEventReporter(
-                self.source.held_feed(new_stream()), events,
-                fingerprints=[self.layout.fingerprint, *(lay.fingerprint for lay, _ in self._ranks)],
-                block_tokens=self.block_tokens,
+                feeds, events, fingerprints=[self.layout.fingerprint, *(lay.fingerprint for lay, _ in self._ranks)],
+                rank_feed=rank_feed, block_tokens=self.block_tokens,
                 hash_block_size=int(getattr(kv_cache_config, "hash_block_size", None) or self.block_tokens),
                 stats=self.stats, lock=self._lock)
             self.kv_events.start()

@@ -213,6 +213,22 @@ class _Block:
     lora: tuple[str, int] | None
     #: The medium it was last reported under (None: not reported held).
     medium: str | None = None
+    #: Followed as the reporter's ``seq``-th block (ties in position are told in that order).
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class _Node:
+    """One watch stream on a node (a daemon, or an in-process store) and where it stands."""
+
+    feed: HeldFeed
+    #: Keys waiting to be watched, by the salt they are watched for.
+    to_watch: dict[str, list[BlockKey]] = field(default_factory=dict)
+    #: The node's watch table that told us what we know (None: none yet).
+    instance: str | None = None
+    ack: int = 0
+    failures: int = 0
+    down: bool = False
 
 
 @dataclass(slots=True)
@@ -230,11 +246,17 @@ class KvEventReporter:
     the next ``take`` returns. ``follow`` and ``take`` run on vLLM's scheduler thread, ``sync`` on
     the reporter's thread (or inside ``take``); node calls are made outside the lock. An error
     that is not a named kvtier failure (a bug) stops the thread and is raised by the next ``take``.
+    Each tensor-parallel rank's keys are watched on its rank's node (``rank_feed``): one node for
+    every rank through a daemon, a store per rank for in-process caches.
     """
 
-    def __init__(self, feed: HeldFeed, options: KvEventsOptions, *, fingerprints: Sequence[bytes],
-                 block_tokens: int, hash_block_size: int, stats: Counter[str], lock: threading.Lock) -> None:
-        self.feed = feed
+    def __init__(self, feeds: Sequence[HeldFeed], options: KvEventsOptions, *, fingerprints: Sequence[bytes],
+                 rank_feed: Sequence[int], block_tokens: int, hash_block_size: int, stats: Counter[str],
+                 lock: threading.Lock) -> None:
+        if len(rank_feed) != len(fingerprints) or not all(0 <= i < len(feeds) for i in rank_feed):
+            raise ValueError("rank_feed names one of the feeds for each fingerprint")
+        self.nodes = [_Node(f) for f in feeds]
+        self.rank_feed = tuple(rank_feed)
         self.options = options
         self.fingerprints = tuple(fingerprints)
         self.block_tokens = block_tokens
@@ -244,15 +266,11 @@ class KvEventReporter:
         self._blocks: OrderedDict[Any, _Block] = OrderedDict()
         self._owners: dict[BlockKey, set[Any]] = {}
         self._tiers: dict[BlockKey, str | None] = {}
-        self._to_watch: dict[str, list[BlockKey]] = {}
         self._changed: set[Any] = set()
         self._refused: set[Any] = set()
         self._out: list[KVCacheEvent] = []
-        self._instance: str | None = None
-        self._ack = 0
-        self._failures = 0
-        self._down = False
         self._stepped = False
+        self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._thread_exc: BaseException | None = None
@@ -281,11 +299,13 @@ class KvEventReporter:
                 b = _Block(h, maybe_convert_block_hash(hashes[i - 1]) if i else None, i, tuple(cb.key for cb in cbs),
                            salt, tuple(prompt.tokens[i * bt : (i + 1) * bt]) if public else None,
                            (lora.name, lora.adapter_id) if public and lora is not None else None)
+                self._seq += 1
+                b.seq = self._seq
                 self._blocks[h] = b
                 for k in b.keys:
                     self._owners.setdefault(k, set()).add(h)
                     self._tiers.setdefault(k, None)
-                self._to_watch.setdefault(salt, []).extend(b.keys)
+                self._queue(b)
             while len(self._blocks) > self.options.max_blocks:
                 _, old = self._blocks.popitem(last=False)
                 self.stats["events_dropped_for_room"] += 1
@@ -328,10 +348,12 @@ class KvEventReporter:
         """One round with the node: what changed since the last answer, then the keys waiting to be
         watched (twice when a watch shows the node forgot everything), then their events."""
         with self._sync_lock:
-            self._poll()
-            for _ in range(2):
-                if not self._flush():
-                    break
+            for node in self.nodes:
+                self._poll(node)
+            for node in self.nodes:
+                for _ in range(2):
+                    if not self._flush(node):
+                        break
             with self.lock:
                 self._emit()
 
@@ -348,34 +370,34 @@ class KvEventReporter:
                     self._thread_exc = exc
                 return
 
-    def _poll(self) -> None:
+    def _poll(self, node: _Node) -> None:
         with self.lock:
-            ack = self._ack
+            ack = node.ack
         try:
-            ch = self.feed.changes(ack)
+            ch = node.feed.changes(ack)
         except KvtierError as exc:
-            self._failed("poll", exc)
+            self._failed(node, "poll", exc)
             return
         with self.lock:
-            self._failures = 0
-            self._down = False
-            if ch.instance != self._instance:
-                self._new_instance(ch.instance)
-            self._ack = ch.cursor
+            node.failures = 0
+            node.down = False
+            if ch.instance != node.instance:
+                self._new_instance(node, ch.instance)
+            node.ack = ch.cursor
             self._apply(ch.changes)
 
-    def _flush(self) -> bool:
-        """Watch what waits to be watched; True when an answer came from a node that forgot this
-        stream (everything is queued again)."""
+    def _flush(self, node: _Node) -> bool:
+        """Watch what waits to be watched on ``node``; True when an answer came from a node that
+        forgot this stream (its keys are all queued again)."""
         with self.lock:
-            batches, self._to_watch = self._to_watch, {}
+            batches, node.to_watch = node.to_watch, {}
         forgot = False
         pending = [(salt, list(dict.fromkeys(keys))) for salt, keys in batches.items()]
         for i, (salt, keys) in enumerate(pending):
             for start in range(0, len(keys), WATCH_BATCH):
                 chunk = keys[start : start + WATCH_BATCH]
                 try:
-                    w = self.feed.watch(salt, chunk)
+                    w = node.feed.watch(salt, chunk)
                 except AccessDenied:  # AuthError included: the salt is refused now (a revoked principal)
                     with self.lock:
                         self.stats["events_watch_refused"] += 1
@@ -384,39 +406,48 @@ class KvEventReporter:
                     continue
                 except KvtierError as exc:  # unreachable: everything not yet watched waits
                     with self.lock:
-                        self._to_watch.setdefault(salt, []).extend(keys[start:])
+                        node.to_watch.setdefault(salt, []).extend(keys[start:])
                         for s, ks in pending[i + 1 :]:
-                            self._to_watch.setdefault(s, []).extend(ks)
-                    self._failed("watch", exc)
+                            node.to_watch.setdefault(s, []).extend(ks)
+                    self._failed(node, "watch", exc)
                     return False
                 with self.lock:
-                    if w.instance != self._instance:
-                        forgot = forgot or self._instance is not None
-                        self._new_instance(w.instance)
+                    if w.instance != node.instance:
+                        forgot = forgot or node.instance is not None
+                        self._new_instance(node, w.instance)
                     self._apply(zip(chunk, w.tiers, strict=True))
         return forgot
 
-    def _failed(self, what: str, exc: KvtierError) -> None:
+    def _failed(self, node: _Node, what: str, exc: KvtierError) -> None:
         with self.lock:
             self.stats[f"events_{what}_failed"] += 1
-            self._failures += 1
-            if self._failures < DOWN_AFTER or self._down:
+            node.failures += 1
+            if node.failures < DOWN_AFTER or node.down:
                 return
-            self._down = True
+            node.down = True
             self.stats["events_node_down"] += 1
             self._forget()  # the engine cannot load what it cannot reach
         log.warning("kvtier: the node has not answered %d times (%s): its blocks are reported gone until it "
                     "answers again", DOWN_AFTER, exc)
 
     # -- internals (under ``lock``) ---------------------------------------------------------------
-    def _new_instance(self, instance: str) -> None:
+    def _queue(self, b: _Block, only: _Node | None = None) -> None:
+        """Queue each rank's key of ``b`` to be watched on its rank's node (or on ``only``)."""
+        for rank, k in enumerate(b.keys):
+            node = self.nodes[self.rank_feed[rank]]
+            if only is None or node is only:
+                node.to_watch.setdefault(b.salt, []).append(k)
+
+    def _new_instance(self, node: _Node, instance: str) -> None:
         """The node's watch table is not the one that told us what we know (a restarted daemon, or
-        our stream dropped for room): nothing told before stands."""
-        if self._instance is not None:
+        our stream dropped for room): what it told stands until the keys it had are watched again,
+        whose answers then say precisely what changed."""
+        if node.instance is not None:
             self.stats["events_rewatch"] += 1
-            self._forget()
-        self._instance = instance
-        self._ack = 0
+            for b in self._blocks.values():
+                self._queue(b, node)
+        node.instance = instance
+        node.ack = 0
 
     def _forget(self) -> None:
         """Retract every reported block and queue every followed block to be watched again."""
@@ -425,7 +456,7 @@ class KvEventReporter:
             if b.medium is not None:
                 removed.setdefault(b.medium, []).append(b.hash)
                 b.medium = None
-            self._to_watch.setdefault(b.salt, []).extend(b.keys)
+            self._queue(b)
         for k in self._tiers:
             self._tiers[k] = None
         self._retract(removed)
@@ -453,7 +484,7 @@ class KvEventReporter:
         stored: list[tuple[_Block, str]] = []
         gone: list[_Block] = []
         touched = [b for h in self._changed | self._refused if (b := self._blocks.get(h)) is not None]
-        for b in sorted(touched, key=lambda b: b.pos):  # each chain's blocks parent first
+        for b in sorted(touched, key=lambda b: (b.pos, b.seq)):  # each chain's blocks parent first
             h = b.hash
             now = None if h in self._refused else self._held_medium(b)
             if now == b.medium:
@@ -494,7 +525,7 @@ class KvEventReporter:
         medium and one kind (public with its LoRA, or not), parents first."""
         runs: list[_Run] = []
         open_at: dict[Any, _Run] = {}
-        for b, medium in sorted(stored, key=lambda x: x[0].pos):
+        for b, medium in stored:  # in position order (``_emit``)
             run = open_at.pop(b.parent, None) if b.parent is not None else None
             last = run.blocks[-1] if run is not None else None
             if run is None or last is None or run.medium != medium or (last.tokens is None) != (b.tokens is None) \

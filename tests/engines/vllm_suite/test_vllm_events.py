@@ -59,8 +59,10 @@ from tests.engines.vllm_suite.test_vllm_connector import (
     LAYERS,
     SALT_KEY,
     Engine,
+    _tp_step,
     kv_cache_config,
     make_engine,
+    paged_kv,
     prompt,
     run_prefill,
     vllm_config,
@@ -266,11 +268,12 @@ def test_a_restarted_node_that_lost_its_memory_retracts_only_what_is_gone(salt_k
     memory.delete(keys_of(eng, "alice", mem, 2) + keys_of(eng, "alice", disk, 2))
     reporter = eng.scheduler.kv_events
     assert reporter is not None
-    reporter.feed.watcher = HeldWatch(store, eng.scheduler.source.cache.policy)
+    reporter.nodes[0].feed.watcher = HeldWatch(store, eng.scheduler.source.cache.policy)
     events = published(eng)
     # Precisely: both are gone from memory; the second is on disk; no AllBlocksCleared (it would also
     # wipe the engine's GPU blocks from a router's view).
-    assert removed(events) == {"CPU": engine_hashes(mem, 2) + engine_hashes(disk, 2)}
+    assert {m: sorted(hs) for m, hs in removed(events).items()} == {"CPU": sorted(engine_hashes(mem, 2) +
+                                                                              engine_hashes(disk, 2))}
     assert [(e.medium, e.block_hashes) for e in stored(events)] == [("DISK", engine_hashes(disk, 2))]
     assert not any(isinstance(e, AllBlocksCleared) for e in events)
     assert eng.scheduler.stats["events_rewatch"] == 1
@@ -286,6 +289,37 @@ def test_the_reporter_is_bounded_and_retracts_what_it_stops_following(salt_key_f
     events = published(eng)
     assert removed(events) == {"CPU": engine_hashes(first, 2)}  # the two least recently followed
     assert eng.scheduler.kv_events is not None and eng.scheduler.kv_events.followed() == 4
+
+
+def test_with_tensor_parallelism_a_block_is_held_while_every_ranks_key_is(salt_key_file: str) -> None:
+    kcc = kv_cache_config()
+
+    def config(rank: int) -> VllmConfig:
+        cfg = events_config(salt_key_file)
+        cfg.parallel_config.tensor_parallel_size = 2
+        cfg.parallel_config.rank = rank
+        return cfg
+
+    sched = KVConnectorFactory.create_connector(config(0), KVConnectorRole.SCHEDULER, kcc)
+    assert isinstance(sched, KvtierConnector)
+    ranks = []
+    for rank in range(2):
+        worker = KVConnectorFactory.create_connector(config(rank), KVConnectorRole.WORKER, kcc)
+        assert isinstance(worker, KvtierConnector)
+        kv = paged_kv()
+        worker.register_kv_caches(kv)
+        ranks.append(Engine(sched, worker, kv))
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    req = request("r1", prompt(4 * BLOCK + 1), salt)
+    _tp_step(sched, ranks, req, [0, 1, 2, 3, 4], fill_seed=3)
+    eng = Engine(sched, ranks[0].worker, ranks[0].kv)
+    events = published(eng)
+    assert [h for e in stored(events) for h in e.block_hashes] == engine_hashes(req, 4), dict(sched.stats)
+    # Rank 1 loses its last two blocks; rank 0 still holds them: the engine cannot load them.
+    tenant = ranks[1].worker.source.for_salt(salt)
+    chain = tenant.cache.chain(tenant.principal, [RequestSegment(req.prompt_token_ids[: 4 * BLOCK], ScopeKind.USER)])
+    assert tenant.cache.store.delete([cb.key for cb in chain[2:]]) == {"memory": 2}
+    assert removed(published(eng)) == {"CPU": engine_hashes(req, 4, 2)}
 
 
 # -- the real publisher ----------------------------------------------------------------------------
