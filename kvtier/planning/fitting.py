@@ -16,12 +16,13 @@ import numpy as np
 class _Cell:
     """The last ``window`` accepted observations of one bucket of similar requests.
 
-    The cell stands for a low quantile of its times (the smallest of up to three, the second
-    smallest of four to six) at its mean features. On a shared host noise is overwhelmingly added
-    delay (contention, a garbage-collection pause, a first touch), so the lower part of the
-    distribution is the cost of the work itself, and every mechanism the planner compares is
-    priced the same way; one slow run cannot move it, and from four observations on neither can
-    one fast run.
+    The cell stands for the median of its times (the lower middle one of an even count) at its
+    mean features: what a request of that kind typically takes now, contention included (a
+    transfer that needs a server process and client threads suffers more from a loaded host than
+    a single-threaded prefill, and the planner should see that), while one slow run (a first
+    touch, a garbage-collection pause) cannot move it once the cell has three observations, and a
+    held-back surprise never enters it alone (see OnlineLinearFit). Of two, the lower: two
+    observations far apart should not average into a time neither had.
     """
 
     xs: deque[np.ndarray]
@@ -39,7 +40,7 @@ class _Cell:
 
     @property
     def y(self) -> float:
-        return float(sorted(self.ys)[(len(self.ys) - 1) // 3])
+        return float(sorted(self.ys)[(len(self.ys) - 1) // 2])
 
 
 @dataclass(slots=True, frozen=True, eq=False)
@@ -76,13 +77,13 @@ class OnlineLinearFit:
 
     Invariants (under ``_lock``):
 
-    * a cell holds its last ``window`` accepted observations and stands for their low quantile
+    * a cell holds its last ``window`` accepted observations and stands for their median
       (see ``_Cell``); its weight in the fit is ``1 / y^2`` (relative error matters, not absolute)
       times ``0.5 ** (age / half_life)`` floored at ``min_weight``, ``age`` counting accepted
       observations;
     * an online observation is judged against what the fit predicts for it. Within
-      ``surprise_factor`` of it, or faster, it is evidence at once: contention makes runs slower,
-      not faster, and a belief that something is slower than it is stops the planner from
+      ``surprise_factor`` of it it is evidence; more than that faster, it replaces its cell's
+      observations at once: a belief that something is slower than it is stops the planner from
       choosing it and so from ever measuring it again, while a belief that it is faster is
       corrected by the next run;
     * a surprisingly *slow* observation is held back (``_pending``) until a second opinion agrees
@@ -95,7 +96,7 @@ class OnlineLinearFit:
       slower than predicted (``_streaks``), are a change of the system (a link slowed down, a
       tier got cold), which the fit could not absorb as evidence: that cell keeps only them, and
       every other cell and the prior are scaled by their ratio and aged (``_change``). Smaller
-      sustained slowdowns reach the cells as confirmed evidence and move their low quantiles;
+      sustained slowdowns reach the cells as confirmed evidence and move their medians;
     * the prior enters as a ridge of strength ``ridge`` in column-scaled coordinates: alone it
       decides before any observation, afterwards only in directions the observations leave
       undetermined;
@@ -163,7 +164,9 @@ class OnlineLinearFit:
             ratio = 1.0 if calibrate else _ratio(y, float(xv @ self._solved()))
             if ratio <= self.surprise_factor:
                 # Expected, or surprisingly fast: evidence. Slow surprises of this cell it
-                # contradicts were outliers.
+                # contradicts were outliers; a surprisingly fast one replaces the cell's slower past.
+                if ratio * self.surprise_factor < 1:
+                    self._cells.pop(cell, None)
                 self._add(cell, xv, y)
                 self.stats.accepted += 1
                 self._drop(lambda s: s.cell == cell)

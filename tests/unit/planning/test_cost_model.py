@@ -145,13 +145,12 @@ def test_profile_follows_a_slowdown_within_a_few_observations() -> None:
     slow = 1e-4 + 64 * BPB / 1e7  # the link is now 100x slower
     prof.observe(64, 64 * BPB, slow)
     assert prof.predict(64, 64 * BPB) == pytest.approx(normal)  # one outlier is held back
-    prof.observe(64, 64 * BPB, slow)  # two agree: evidence, but the cell's low quantile holds
+    prof.observe(64, 64 * BPB, slow)  # two agree: evidence, but the cell's median holds
     assert prof.predict(64, 64 * BPB) == pytest.approx(normal, rel=0.05) and prof._fit.resets == 0
     prof.observe(64, 64 * BPB, slow)  # three in a row: the system changed
     assert prof.predict(64, 64 * BPB) == pytest.approx(slow, rel=0.05)
     assert prof.predict(32, 32 * BPB) > 10 * (1e-4 + 32 * BPB / 1e9)  # the change carries over
-    fast = 1e-4 + 64 * BPB / 1e9  # and back: faster observations are evidence at once, and
-    prof.observe(64, 64 * BPB, fast)  # the cell's low quantile follows from the second one
+    fast = 1e-4 + 64 * BPB / 1e9  # and back: a far faster observation counts at once
     prof.observe(64, 64 * BPB, fast)
     assert prof.predict(64, 64 * BPB) == pytest.approx(fast, rel=0.05)
     assert prof._fit.resets == 1
