@@ -178,7 +178,9 @@ class BenchEnv:
                 raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
             time.sleep(0.1)
         address = json.loads(ready.read_text())["address"]
-        token = dep.token("bench", "reload-vs-recompute", roles=("publish:public",), ttl_s=24 * 3600)
+        # The bench's own daemon: it publishes the prefixes and, between models, deletes them, which
+        # for public content takes an operator (docs/security.md 2.15).
+        token = dep.token("bench", "reload-vs-recompute", roles=("publish:public", "operator"), ttl_s=24 * 3600)
         tier = GrpcTier(GrpcTierConfig(target=address, token=token, name="daemon"))
         self.stack.callback(tier.close)
         return tier

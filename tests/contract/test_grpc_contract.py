@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.localdeploy import LocalDeployment
+from kvtier.errors import AccessDenied
 from kvtier.keys import Scope
 from kvtier.server.daemon import Daemon
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
@@ -76,6 +77,21 @@ class TestGrpcTier(TierContract):
             res = tier.put([c])
         assert res.rejected == [c.key]
         assert tier.contains([a.key]) == 1 and tier.contains([b.key]) == 1
+
+    def test_delete(self, tier: GrpcTier) -> None:
+        # Deleting shared public content is an operator's alone (docs/security.md 2.15): the
+        # contract's delete, on the caller's own scope; the public blocks it may not delete.
+        blocks = chain_blocks(3, scope=Scope.user(f"{TENANT}/{USER}"))
+        tier.put(blocks)
+        assert tier.delete([blocks[1].key, blocks[1].key]) == 1
+        assert tier.delete([blocks[1].key]) == 0
+        assert tier.contains([b.key for b in blocks]) == 1
+        assert tier.get([blocks[1].key]) == [None]
+        pub = chain_blocks(1, token_base=500)
+        tier.put(pub)
+        with pytest.raises(AccessDenied):
+            tier.delete([pub[0].key])
+        assert tier.contains([pub[0].key]) == 1
 
     def test_delete_scope_and_listing(self, tier: GrpcTier) -> None:
         # A principal reaches only its own scopes: "alice" and "bob" become its user and session.

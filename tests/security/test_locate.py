@@ -17,7 +17,7 @@ import torch
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.block import Block
 from kvtier.errors import AccessDenied, InvalidRequest, RateLimited
-from kvtier.keys import Segment, block_chain
+from kvtier.keys import Scope, Segment, block_chain
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
 from kvtier.server.daemon import Daemon
@@ -113,7 +113,8 @@ def test_the_router_role_may_call_locate_and_nothing_else(rig) -> None:
     router_md = (("authorization", f"Bearer {dep.token('fleet', 'router', roles=('router',))}"),)
     tenant_md = (("authorization", f"Bearer {dep.token('acme', 'alice', roles=('publish:public',))}"),)
     domain = keys[0][:16]
-    block = chain_blocks(1, token_base=950, seed=950)[0]
+    # The tenant's own block: deleting shared public content is an operator's alone (2.15).
+    block = chain_blocks(1, token_base=950, seed=950, scope=Scope.user("acme/alice"))[0]
 
     def put(md: tuple[tuple[str, str], ...]) -> object:
         tier = GrpcTier(GrpcTierConfig(d.address, md[0][1].removeprefix("Bearer "), max_attempts=1,
@@ -135,6 +136,8 @@ def test_the_router_role_may_call_locate_and_nothing_else(rig) -> None:
         "Purge": lambda md: stub.Purge(pb.PurgeRequest(scope="user"), metadata=md, timeout=5),
         "Revoke": lambda md: stub.Revoke(pb.RevokeRequest(kind=pb.REVOKE_KIND_PRINCIPAL, target="acme/alice"),
                                          metadata=md, timeout=5),
+        "WatchHeld": lambda md: stub.WatchHeld(pb.WatchHeldRequest(stream="s", keys=keys), metadata=md, timeout=5),
+        "HeldChanges": lambda md: stub.HeldChanges(pb.HeldChangesRequest(stream="s"), metadata=md, timeout=5),
     }
     try:
         assert set(calls) | {"Locate"} == set(pb.DESCRIPTOR.services_by_name["KvCache"].methods_by_name)
