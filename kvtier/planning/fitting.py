@@ -81,7 +81,9 @@ class OnlineLinearFit:
       (see ``_Cell``); its weight in the fit is ``1 / y^2`` (relative error matters, not absolute)
       times ``0.5 ** (age / half_life)`` floored at ``min_weight``, ``age`` counting accepted
       observations;
-    * an online observation is judged against what the fit predicts for it. Within
+    * an online observation is judged against what the fit predicts for it (the ratio of the
+      two, each plus ``noise_floor_s``: a scheduling delay of a millisecond or two on a shared
+      host says nothing about a sub-millisecond operation). Within
       ``surprise_factor`` of it it is evidence; more than that faster, it replaces its cell's
       observations at once: a belief that something is slower than it is stops the planner from
       choosing it and so from ever measuring it again, while a belief that it is faster is
@@ -116,6 +118,7 @@ class OnlineLinearFit:
         change_factor: float = 4.0,
         change_after: int = 3,
         pending_ttl: int = 32,
+        noise_floor_s: float = 1e-3,
     ) -> None:
         if len(prior) != len(names):
             raise ValueError("OnlineLinearFit: the prior needs one value per parameter")
@@ -134,6 +137,9 @@ class OnlineLinearFit:
         self.change_factor = change_factor
         self.change_after = change_after
         self.pending_ttl = pending_ttl
+        #: Added to both sides of observed / predicted: a few milliseconds of scheduling delay on a
+        #: shared host are not a surprise about a sub-millisecond operation.
+        self.noise_floor_s = noise_floor_s
         self.min_weight = min_weight
         self.ridge = ridge
         self._prior = np.asarray(prior, dtype=np.float64)
@@ -161,7 +167,7 @@ class OnlineLinearFit:
         with self._lock:
             self._seen += 1
             self._expire()
-            ratio = 1.0 if calibrate else _ratio(y, float(xv @ self._solved()))
+            ratio = 1.0 if calibrate else (y + self.noise_floor_s) / (float(xv @ self._solved()) + self.noise_floor_s)
             if ratio <= self.surprise_factor:
                 # Expected, or surprisingly fast: evidence. Slow surprises of this cell it
                 # contradicts were outliers; a surprisingly fast one replaces the cell's slower past.
@@ -299,13 +305,6 @@ class OnlineLinearFit:
 
 #: Age that makes a cell old: its weight falls to ``min_weight``.
 _AGED = 10**9
-#: Times below this are measurement granularity, not cost: ratios are taken above it.
-_FLOOR_S = 1e-5
-
-
-def _ratio(observed: float, expected: float) -> float:
-    """observed / expected, both floored at ``_FLOOR_S`` (sub-10-microsecond noise is no surprise)."""
-    return max(observed, _FLOOR_S) / max(expected, _FLOOR_S)
 
 
 def nonnegative_least_squares(
