@@ -261,7 +261,7 @@ class DaemonSource(CacheSource):
 
     @property
     def node(self) -> object:
-        return ("daemon", self.root.config.address)
+        return ("daemon", self.root.config.target)
 
     def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
         # Every salt's client shares the root's channel, so its Put finds blocks in this region.

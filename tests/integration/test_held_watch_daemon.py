@@ -9,6 +9,7 @@ block hashes, vLLM's event structs) is tested in tests/engines/vllm_suite/test_v
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,11 @@ def test_watches_are_confined_to_the_acting_principal_and_the_credentials_own_st
         source.held_feed("s").watch(alice, a)
         saved(source, alice, 4, 100)  # evicts alice's first two
         daemon.backend.store.flush_spills()
+        # Sources on one daemon (another rank's layout, another credential) are one node: a
+        # connector watches every rank's keys on one stream there.
+        rank1 = DaemonSource(engine_root(daemon, dep), replace(SMALL, tp_rank=1, tp_size=2))
+        assert source.node == other.node == rank1.node
+        rank1.close()
         # Another engine credential's stream of the same name is its own: it learns nothing.
         assert other.held_feed("s").changes(0).changes == ()
         assert dict(source.held_feed("s").changes(0).changes) == dict.fromkeys(a, "lmdb")
