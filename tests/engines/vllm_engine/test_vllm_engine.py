@@ -292,7 +292,8 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     assert worker["save_jobs_stored"] == worker["save_jobs_submitted"] > 0
     # One host copy before the daemon's: every saved block was gathered from the pages straight
     # into the daemon's shared region, and its Put sent offsets (none went through staging).
-    assert worker.get("save_blocks_in_region", 0) >= worker["saved_blocks"] and worker.get("save_blocks_staged", 0) == 0, worker
+    assert worker.get("save_blocks_in_region", 0) >= worker["saved_blocks"], worker
+    assert worker.get("save_blocks_staged", 0) == 0, worker
 
     # (c) publish the document: an operator-side publisher copies alice's computed blocks of it into
     # the public scope through the daemon (the engine never writes a public block itself).

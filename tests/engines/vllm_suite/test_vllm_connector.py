@@ -162,15 +162,12 @@ def schedule(sched: KvtierConnector, req: Request, block_ids: list[int]) -> tupl
     return out, matched, is_async
 
 
-def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: int | None = None) -> StepResult:
-    """One scheduling step that admits ``req`` and prefills it, in vLLM's call order."""
-    out, matched, is_async = schedule(eng.scheduler, req, block_ids)
-    computed = 0 if is_async else matched
+def worker_step(eng: Engine, out: SchedulerOutput, computed_ids: list[int], fill_seed: int | None) -> None:
+    """The worker's side of one step: "the model" writes KV for the blocks it computes
+    (``computed_ids``, when ``fill_seed`` is given), the connector loads and saves around it."""
     if fill_seed is not None:
-        # "The model" writes KV for the tokens it computes this step (blocks after the loaded ones).
         gen = torch.Generator().manual_seed(fill_seed)
-        first = computed // BLOCK
-        ids = torch.tensor(block_ids[first:])
+        ids = torch.tensor(computed_ids)
         for t in eng.kv.values():
             t[ids] = torch.randn((len(ids), *t.shape[1:]), generator=gen).to(t.dtype)
     w = eng.worker
@@ -181,6 +178,14 @@ def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: i
         w.save_kv_layer(name, eng.kv[name], None)
     w.wait_for_save()
     w.flush_saves()  # saves are stored off the step, on the saver thread
+
+
+def run_prefill(eng: Engine, req: Request, block_ids: list[int], *, fill_seed: int | None = None) -> StepResult:
+    """One scheduling step that admits ``req`` and prefills it, in vLLM's call order."""
+    out, matched, is_async = schedule(eng.scheduler, req, block_ids)
+    computed = 0 if is_async else matched
+    w = eng.worker
+    worker_step(eng, out, block_ids[computed // BLOCK :], fill_seed)
     invalid = w.get_block_ids_with_load_errors()
     _, recving = w.get_finished(set())
     w.clear_connector_metadata()
@@ -708,19 +713,8 @@ def _tp_step(sched: KvtierConnector, ranks: list[Engine], req: Request, block_id
     its own KV: a rank's heads differ from the other's)."""
     out, matched, _ = schedule(sched, req, block_ids)
     for rank, eng in enumerate(ranks):
-        if fill_seed is not None:
-            gen = torch.Generator().manual_seed(fill_seed + rank)
-            ids = torch.tensor(block_ids[matched // BLOCK :])
-            for t in eng.kv.values():
-                t[ids] = torch.randn((len(ids), *t.shape[1:]), generator=gen).to(t.dtype)
         w = eng.worker
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        w.start_load_kv(None)
-        for name in LAYER_NAMES:
-            w.wait_for_layer_load(name)
-            w.save_kv_layer(name, eng.kv[name], None)
-        w.wait_for_save()
-        w.flush_saves()
+        worker_step(eng, out, block_ids[matched // BLOCK :], None if fill_seed is None else fill_seed + rank)
         assert not w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
     sched.request_finished(req, block_ids)
