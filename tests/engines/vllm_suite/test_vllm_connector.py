@@ -14,9 +14,7 @@ import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,6 +46,7 @@ from kvtier.cache.kv_cache import RequestSegment
 from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.keys import ScopeKind
 from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Principal
+from tests.engines.vllm_suite.conftest import SALT_KEY
 
 BLOCK = 16
 HEADS = 2
@@ -55,22 +54,6 @@ HEAD = 8
 LAYERS = 3
 NUM_BLOCKS = 48
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-SALT_KEY = b"salt-key-for-the-vllm-suite-0123456789abcdef"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    forget_shared_caches()
-    yield
-    forget_shared_caches()
-
-
-@pytest.fixture
-def salt_key_file(tmp_path: Path) -> str:
-    p = tmp_path / "salt.key"
-    p.write_bytes(SALT_KEY.hex().encode())
-    p.chmod(0o600)  # a key file: the secret-file rule applies
-    return str(p)
 
 
 def kv_cache_config() -> KVCacheConfig:

@@ -16,7 +16,7 @@ import os
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,6 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from connectors.identity import mint_salt
-from connectors.provision import forget_shared_caches
 from connectors.vllm_connector import KvtierConnector
 from connectors.vllm_events import is_local_endpoint
 from kvtier.cache.held_watch import HeldWatch
@@ -75,19 +74,6 @@ DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
 BLOCK_BYTES = LAYERS * HEADS * BLOCK * 2 * HEAD * 2  # one block of every layer, K and V, fp16
 
 
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> Iterator[None]:
-    forget_shared_caches()
-    yield
-    forget_shared_caches()
-
-
-@pytest.fixture
-def salt_key_file(tmp_path: Path) -> str:
-    p = tmp_path / "salt.key"
-    p.write_bytes(SALT_KEY.hex().encode())
-    p.chmod(0o600)
-    return str(p)
 
 
 def events_config(salt_key_file: str, endpoint: str = "ipc:///tmp/kvtier-suite-events", *,
