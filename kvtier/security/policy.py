@@ -252,8 +252,10 @@ class Policy:
                  clock: Callable[[], float] = time.time, public_trust: PublisherTrust | None = None) -> None:
         self.deriver = deriver
         self.audit = audit
-        #: Who may write the shared public scope (kvtier/security/public_trust.py); None: every
-        #: holder of ``publish:public``, as before the trust list existed.
+        #: Who may write the shared public scope besides operators (kvtier/security/public_trust.py).
+        #: None: every holder of ``publish:public``. That is for an embedding process, which makes
+        #: every principal (and role) itself and so is its own operator; the daemon, where tenants
+        #: authenticate, always passes the configured list, which trusts operators only by default.
         self.public_trust = public_trust
         self.node = node
         self._listeners: tuple[ChangeListener, ...] = ()
@@ -345,9 +347,10 @@ class Policy:
                 and self._trusted(op, p, scope))
 
     def _trusted(self, op: Op, p: Principal, scope: Scope) -> bool:
-        """Writes into the public scope, which every tenant reads, need a trusted publisher."""
-        return (op is not Op.WRITE or scope.kind is not ScopeKind.PUBLIC or self.public_trust is None
-                or self.public_trust.trusts(p.tenant, p.user))
+        """Writes into the public scope, which every tenant reads, need a trusted publisher: an
+        operator (who may purge that scope anyway) or one the deployment's list names."""
+        return (op is not Op.WRITE or scope.kind is not ScopeKind.PUBLIC or ROLE_OPERATOR in p.roles
+                or self.public_trust is None or self.public_trust.trusts(p.tenant, p.user))
 
     def may_call(self, p: Principal, method: str) -> bool:
         """Whether ``p`` may call the daemon's ``method`` (its short name, ``Locate``) at all:

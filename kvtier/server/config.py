@@ -306,10 +306,11 @@ class SecurityConfig:
     )
     miss_window_s: float = _f(60.0, "The window of miss_limit, in seconds.", check=positive)
     public_publishers: str = _f(
-        "*",
-        "Who may write the public scope every tenant reads, besides holding publish:public: "
-        "<tenant>/<user> or <tenant>/* entries, comma-separated; * (the default): every publish:public "
-        "holder, as before; empty: nobody. Only an operator deletes or purges public content.",
+        "",
+        "Who may write the public scope every tenant reads, besides holding publish:public: operators, and "
+        "the <tenant>/<user> or <tenant>/* entries named here, comma-separated; empty (the default): operators "
+        "only; *: every publish:public holder of every tenant (only where all tenants trust each other; the "
+        "daemon warns at start). Only an operator deletes or purges public content.",
         check=_publishers,
     )
     revocation_sync_s: float = _f(

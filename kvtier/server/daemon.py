@@ -34,6 +34,7 @@ from kvtier.errors import ConfigError
 from kvtier.hostmem import prefault_heap, tune_malloc_for_large_blocks, with_huge_page_malloc
 from kvtier.keys import PUBLIC
 from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.security.public_trust import PublicTrust
 from kvtier.security.salts import HmacSaltMapper, RequestSalts, read_salt_key
 from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.security.tokens import TokenVerifier
@@ -214,6 +215,11 @@ class Daemon:
             raise
         server.start()
         self._server = server
+        trust = PublicTrust.parse(self.config.security.public_publishers)
+        if trust.everyone:
+            log.warning("security.public_publishers is '*': every publish:public holder of every tenant writes "
+                        "the public scope all tenants read, so one tenant can change what another's model computes",
+                        extra={"event": "public_publishers_everyone"})
         if s.metrics_listen:
             host, port = s.metrics_listen.rsplit(":", 1)
             collector = DaemonCollector(self.backend.store.tiers, {t.name for t in self.backend.local_tiers},
@@ -224,7 +230,8 @@ class Daemon:
                                                                    self._revocation_counts,
                                                                    self._region_counts,
                                                                    self._data_plane_counts,
-                                                                   self._key_mirror_counts),
+                                                                   self._key_mirror_counts,
+                                                                   (trust.mode, len(trust.publishers))),
                                         # /metrics is unauthenticated: it names the public domain only.
                                         labelled_domains=frozenset({self.backend.policy.domain(PUBLIC)}))
             self._metrics_endpoint = MetricsEndpoint(collector, host.strip("[]"), int(port))
@@ -234,7 +241,8 @@ class Daemon:
                                    "metrics_port": self.metrics_port, "locate_http_port": self.locate_http_port,
                                    "tls": s.tls_cert is not None,
                                    "mtls": s.tls_client_ca is not None,
-                                   "tiers": [t.name for t in self.backend.store.tiers]})
+                                   "tiers": [t.name for t in self.backend.store.tiers],
+                                   "public_publishers": str(trust)})
         return self
 
     def _bind(self, server: grpc.Server) -> int:

@@ -102,6 +102,9 @@ class ServerGauges:
     #: Wrapped keys from the bucket's key mirror refused or not adopted, and mirror failures
     #: (MirroredKeyStore.counts); {} without a mirror.
     key_mirror: Callable[[], dict[str, int]] = dict
+    #: Who writes the public scope (PublicTrust.mode: operators, listed, everyone) and how many
+    #: entries the list names; fixed at start. /metrics is unauthenticated: no names.
+    public_publishers: tuple[str, int] = ("operators", 0)
 
 
 class DaemonCollector(Collector):
@@ -216,7 +219,14 @@ class DaemonCollector(Collector):
                                    "unknown_master_key: not adopted) and key-mirror failures", labels=["what"])
         for what, n in g.key_mirror().items():
             keys.add_metric([what], float(n))
-        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync, shm, shm_bytes, conns, keys)
+        mode, named = g.public_publishers
+        trust = GaugeMetricFamily("kvtier_public_publishers",
+                                  "Who writes the public scope every tenant reads (mode: operators, listed: operators "
+                                  "and the named entries, everyone: every publish:public holder); value: entries named",
+                                  labels=["mode"])
+        trust.add_metric([mode], float(named))
+        yield from (calls, errs, lat, inflight, active, refused, mitigated, access, sync, shm, shm_bytes, conns, keys,
+                    trust)
 
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:

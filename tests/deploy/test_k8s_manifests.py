@@ -64,6 +64,7 @@ BASE_CONFIG: dict[str, Any] = {
         "server_secret_file": "/etc/kvtier/secrets/server-secret",
         "encrypt_disk": True,
         "encrypt_remote": True,
+        "public_publishers": "",  # operators only, spelled out for whoever edits the map
     },
     "tiers": {
         "memory": {"capacity_bytes": 17179869184, "policy": "prefix-aware"},

@@ -10,6 +10,8 @@ fronts: the in-process KVCache and a running daemon (real gRPC, principals from 
 
 from __future__ import annotations
 
+import logging
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -129,19 +131,93 @@ def test_an_untrusted_publishers_garbage_is_never_served_by_the_daemon(node) -> 
             t.close()
 
 
-def test_the_default_trusts_every_publisher_as_before(tmp_path) -> None:
-    """Without ``security.public_publishers`` every ``publish:public`` holder is trusted (the
-    behaviour before the list existed); deleting shared content is the operator's either way."""
-    dep = LocalDeployment(tmp_path / "dep", server_secret=SECRET)
-    dep.write_config(memory_bytes=64 * SMALL.bytes_per_block)
-    d = Daemon(dep.config()).start()
+def _serve(root, **security: str) -> tuple[Daemon, LocalDeployment]:
+    dep = LocalDeployment(root, server_secret=SECRET)
+    dep.write_config(memory_bytes=64 * SMALL.bytes_per_block, server={"metrics_listen": "127.0.0.1:0"},
+                     security=security)
+    return Daemon(dep.config()).start(), dep
+
+
+def _metric(d: Daemon) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10) as resp:
+        return [line for line in resp.read().decode().splitlines() if line.startswith("kvtier_public_publishers{")]
+
+
+def _serving(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "event", None) == "serving"]
+
+
+def test_by_default_another_tenants_publisher_changes_nothing_a_third_tenant_reads(tmp_path, caplog) -> None:
+    """The default configuration (no ``security.public_publishers``) trusts operators only: a
+    ``publish:public`` holder of another tenant, named nowhere, pre-publishes garbage under a
+    document's keys and a third tenant is served none of it; an operator's blocks under the same
+    keys are stored and served (the control). The start log and /metrics say who is trusted."""
+    with caplog.at_level(logging.INFO, logger="kvtier.server"):
+        d, dep = _serve(tmp_path / "dep")
+    node = (d, dep)
+    # The schema's own default, not one a helper writes.
+    assert "public_publishers" not in dep.config_file.read_text() and dep.config().security.public_publishers == ""
+    mallory = _tier(node, "evil", "mallory", ROLE_PUBLISH_PUBLIC)
+    curator = _tier(node, "kvtier", "curator", ROLE_PUBLISH_PUBLIC)  # trusted elsewhere, not here
+    bob = _tier(node, "globex", "bob")
+    operator = _tier(node, "kvtier", "ops", ROLE_OPERATOR, ROLE_PUBLISH_PUBLIC)
+    try:
+        garbage = chain_blocks(3, seed=77, token_base=40_000)
+        real = chain_blocks(3, seed=7, token_base=40_000)
+        keys = [b.key for b in real]
+        assert [b.key for b in garbage] == keys
+        assert not {str(g.scope): g for g in mallory.domains().grants.values()}["public"].may_write
+        for who in (mallory, curator):
+            res = who.put(garbage)
+            assert len(res.stored) == 0 and len(res.rejected) == 3
+        assert bob.lookup(keys).length == 0 and bob.get_prefix(keys) == []
+        # Control: an operator publishes under the same keys; the third tenant is served its bytes.
+        assert {str(g.scope): g for g in operator.domains().grants.values()}["public"].may_write
+        assert len(operator.put(real).stored) == 3
+        got = bob.get_prefix(keys)
+        assert len(got) == 3 and all(g.equal_bytes(r) for g, r in zip(got, real, strict=True))
+        assert len(mallory.put(garbage).stored) == 0
+        assert all(g.equal_bytes(r) for g, r in zip(bob.get_prefix(keys), real, strict=True))
+        assert _metric(d) == ['kvtier_public_publishers{mode="operators"} 0.0']
+        assert [r.public_publishers for r in _serving(caplog)] == ["operators"]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        for t in (mallory, curator, bob, operator):
+            t.close()
+        d.stop(grace_s=0)
+
+
+def test_everyone_is_an_explicit_opt_in_that_behaves_as_before_and_warns(tmp_path, caplog) -> None:
+    """``public_publishers = "*"``: every ``publish:public`` holder of every tenant writes the
+    public scope, as before the list existed (its blocks are served to every tenant); the daemon
+    warns at start and /metrics says so. Deleting shared content stays the operator's."""
+    with caplog.at_level(logging.INFO, logger="kvtier.server"):
+        d, dep = _serve(tmp_path / "dep", public_publishers="*")
     node = (d, dep)
     mallory = _tier(node, "evil", "mallory", ROLE_PUBLISH_PUBLIC)
+    bob = _tier(node, "globex", "bob")
     try:
         blocks = chain_blocks(2, seed=3, token_base=30_000, scope=Scope.public())
         assert len(mallory.put(blocks).stored) == 2
+        got = bob.get_prefix([b.key for b in blocks])
+        assert len(got) == 2 and all(g.equal_bytes(b) for g, b in zip(got, blocks, strict=True))
         with pytest.raises(AccessDenied):
             mallory.purge("public")
+        assert _metric(d) == ['kvtier_public_publishers{mode="everyone"} 1.0']
+        warned = [r for r in caplog.records if getattr(r, "event", None) == "public_publishers_everyone"]
+        assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+        assert [r.public_publishers for r in _serving(caplog)] == ["* (every publish:public holder of every tenant)"]
     finally:
         mallory.close()
+        bob.close()
+        d.stop(grace_s=0)
+
+
+def test_a_listed_deployment_says_so_on_metrics_without_naming_anyone(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="kvtier.server"):
+        d, _ = _serve(tmp_path / "dep", public_publishers="kvtier/curator, docs/*")
+    try:
+        assert _metric(d) == ['kvtier_public_publishers{mode="listed"} 2.0']
+        assert [r.public_publishers for r in _serving(caplog)] == ["operators, docs/*, kvtier/curator"]
+    finally:
         d.stop(grace_s=0)
