@@ -53,9 +53,17 @@ engine-venvs: $(ENGINE_VENVS)
 	.venv-lmcache/bin/python -m pip install -q --no-deps -r benchmarks/peers/lmcache-requirements.txt
 	touch $@
 
-peer-venvs: .venv-lmcache/.stamp
+# vllm-router 0.1.17 (a Rust binary wheel) for `kvtier bench fleet`, in its own venv: the exact package set --no-deps.
+# `make test` builds it: tests/integration/test_fleet_bench.py runs the routers from there.
+.venv-vllmrouter/.stamp: benchmarks/peers/vllm-router-requirements.txt
+	$(STEP) "step 1/1: .venv-vllmrouter, vllm-router 0.1.17 and its pinned packages"
+	test -x .venv-vllmrouter/bin/python || $(PY) -m venv .venv-vllmrouter
+	.venv-vllmrouter/bin/python -m pip install -q --no-deps -r benchmarks/peers/vllm-router-requirements.txt
+	touch $@
 
-test: $(STAMP) $(ENGINE_VENVS) .venv-lmcache/.stamp
+peer-venvs: .venv-lmcache/.stamp .venv-vllmrouter/.stamp
+
+test: $(STAMP) $(ENGINE_VENVS) .venv-lmcache/.stamp .venv-vllmrouter/.stamp
 	KVTIER_REQUIRE_ENGINES=1 $(VPY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
@@ -65,4 +73,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvtier bench tiers --json out/bench_tiers.json
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-sglang .pytest_cache .ruff_cache out
+	rm -rf $(VENV) .venv-vllm .venv-sglang .venv-vllmrouter .pytest_cache .ruff_cache out

