@@ -42,7 +42,7 @@ class TestGrpcTier(TierContract):
     def make_tier(self, tmp_path, daemons, data_plane):
         def make(capacity_bytes: int) -> GrpcTier:
             dep = LocalDeployment(tmp_path / f"d{len(daemons)}", server_secret=SECRET)
-            dep.write_config(memory_bytes=capacity_bytes)
+            dep.write_config(memory_bytes=capacity_bytes, security={"public_publishers": f"{TENANT}/{USER}"})
             daemon = Daemon(dep.config()).start()
             token = dep.token(TENANT, USER, session=SESSION, roles=("publish:public",))
             tier = GrpcTier(GrpcTierConfig(daemon.address, token, timeout_s=10.0, data_plane=data_plane,

@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MID = KVLayout("fault-model", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
 CHUNK = 4096
 PUBLISH = ("publish:public",)
+#: The deployment's trusted publisher of the public scope: the tokens' default principal.
+PUBLISHERS = {"public_publishers": "acme/alice"}
 
 
 def blocks_of(n: int, base: int, layout: KVLayout = MID) -> list[Block]:
@@ -58,7 +60,7 @@ def dep(tmp_path: Path) -> LocalDeployment:
 
 
 def serve(dep: LocalDeployment, **server: object) -> Daemon:
-    dep.write_config(memory_bytes=8 << 20, server={"chunk_bytes": CHUNK, **server})
+    dep.write_config(memory_bytes=8 << 20, server={"chunk_bytes": CHUNK, **server}, security=PUBLISHERS)
     return Daemon(dep.config()).start()
 
 
@@ -92,7 +94,7 @@ class DaemonProcess:
 
 
 def test_sigkill_mid_put_then_restart_whole_or_absent(dep: LocalDeployment) -> None:
-    dep.write_config(memory_bytes=None, disk_bytes=64 << 20, server={"chunk_bytes": CHUNK})
+    dep.write_config(memory_bytes=None, disk_bytes=64 << 20, server={"chunk_bytes": CHUNK}, security=PUBLISHERS)
     token = dep.token(roles=PUBLISH)
     first = DaemonProcess(dep)
     chains = [blocks_of(6, 100_000 * (i + 1)) for i in range(40)]
@@ -171,7 +173,7 @@ def test_s3_outage_local_tiers_keep_serving(dep: LocalDeployment, tmp_path: Path
             memory_bytes=32 * MID.bytes_per_block,
             remote={"endpoint": s3.endpoint_url, "bucket": "kvt-outage", "prefix": "fault",
                     "write_policy": "write-through", "connect_timeout_s": 0.5, "read_timeout_s": 1.0},
-            security={"key_store_dir": str(tmp_path / "keys")},
+            security={"key_store_dir": str(tmp_path / "keys"), **PUBLISHERS},
             server={"chunk_bytes": CHUNK},
         )
         with Daemon(dep.config()) as d:

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.localdeploy import LocalDeployment
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from tests.faults.test_daemon_faults import PUBLISH, DaemonProcess, blocks_of
+from tests.faults.test_daemon_faults import PUBLISH, PUBLISHERS, DaemonProcess, blocks_of
 from tests.helpers import SECRET, same_bytes
 
 
@@ -17,7 +17,7 @@ from tests.helpers import SECRET, same_bytes
 def test_a_durable_put_survives_sigkill_right_after_it_returns(tmp_path, data_plane: str) -> None:
     dep = LocalDeployment(tmp_path / "dep", server_secret=SECRET)
     # A 1 MiB memory tier in front of LMDB: most of what is put is evicted, and queued to spill.
-    dep.write_config(memory_bytes=1 << 20, disk_bytes=256 << 20)
+    dep.write_config(memory_bytes=1 << 20, disk_bytes=256 << 20, security=PUBLISHERS)
     token = dep.token(roles=PUBLISH)
     daemon = DaemonProcess(dep)
     blocks = blocks_of(200, 7_000_000)  # 200 x 16 KiB = 3.2 MiB
@@ -28,7 +28,7 @@ def test_a_durable_put_survives_sigkill_right_after_it_returns(tmp_path, data_pl
         daemon.kill()  # no drain, no flush: whatever was only in RAM is gone
     finally:
         tier.close()
-    dep.write_config(memory_bytes=1 << 20, disk_bytes=256 << 20)
+    dep.write_config(memory_bytes=1 << 20, disk_bytes=256 << 20, security=PUBLISHERS)
     again = DaemonProcess(dep)
     reader = GrpcTier(GrpcTierConfig(again.address, token, timeout_s=30.0, data_plane="tcp"))
     try:

@@ -41,6 +41,10 @@ LOCATE: dict[str, Any] = {
 }
 
 
+#: Who publishes the rig's public documents; each deployment names it a trusted publisher.
+PUBLISHER = "docs/publisher"
+
+
 def deployment(root: Path, *, node: str = "n1", like: LocalDeployment | None = None,
                locate: dict[str, Any] | None = None, **config: Any) -> LocalDeployment:
     """A deployment whose daemon answers Locate as ``node``; ``like``: share its token and salt
@@ -49,7 +53,9 @@ def deployment(root: Path, *, node: str = "n1", like: LocalDeployment | None = N
     if like is not None:
         for name in ("token_key_file", "salt_key_file"):
             shutil.copyfile(getattr(like, name), getattr(dep, name))
-    dep.write_config(**config)
+    # The deployment trusts the one principal ``publish`` publishes as (the default: operators only).
+    security = {"public_publishers": PUBLISHER, **config.pop("security", {})}
+    dep.write_config(security=security, **config)
     extra = {"node": node, **LOCATE, **(locate or {})}
     dep.config_file.write_text(dep.config_file.read_text() + toml_text({"locate": extra}))
     return dep
@@ -81,7 +87,7 @@ def http_locate(d: Daemon, token: str | None, body: bytes | dict[str, Any]) -> t
 
 def publish(d: Daemon, dep: LocalDeployment, n: int, token_base: int) -> list[int]:
     """Publish ``n`` public blocks of tokens ``token_base...``; returns those tokens."""
-    pub = GrpcTier(GrpcTierConfig(d.address, dep.token("docs", "publisher", roles=("publish:public",)),
+    pub = GrpcTier(GrpcTierConfig(d.address, dep.token(*PUBLISHER.split("/"), roles=("publish:public",)),
                                   max_attempts=1, data_plane="tcp"))
     try:
         blocks = chain_blocks(n, scope=Scope.public(), token_base=token_base, seed=token_base)

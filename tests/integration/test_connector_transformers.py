@@ -90,7 +90,9 @@ def test_prefix_from_s3(runner: PrefillRunner, make_s3_tier: Callable[..., S3Tie
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[Daemon, LocalDeployment]]:
     dep = LocalDeployment(tmp_path / "dep", server_secret=SECRET)
-    dep.write_config(memory_bytes=2 * LAYOUT.bytes_per_block, disk_bytes=32 << 20)  # spills to encrypted LMDB
+    # Spills to encrypted LMDB; alice publishes the public document.
+    dep.write_config(memory_bytes=2 * LAYOUT.bytes_per_block, disk_bytes=32 << 20,
+                     security={"public_publishers": "acme/alice"})
     d = Daemon(dep.config()).start()
     yield d, dep
     d.stop(grace_s=0)

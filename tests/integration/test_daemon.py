@@ -42,6 +42,8 @@ from storage_backends.memory import MemoryTier
 from tests.helpers import SECRET, SMALL, chain_blocks, same_bytes
 
 PUBLISH = ("publish:public",)
+#: The deployment's trusted publisher of the public scope: acme/alice (the tokens' default principal).
+PUBLISHERS = {"public_publishers": "acme/alice"}
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def deployment(tmp_path: Path) -> LocalDeployment:
     dep = LocalDeployment(tmp_path / "dep", server_secret=SECRET)
     # A small memory tier (32 blocks of SMALL) so that longer chains spill to the encrypted LMDB tier.
     dep.write_config(memory_bytes=32 * SMALL.bytes_per_block, disk_bytes=32 << 20,
-                     server={"metrics_listen": "127.0.0.1:0"})
+                     server={"metrics_listen": "127.0.0.1:0"}, security=PUBLISHERS)
     return dep
 
 
@@ -299,7 +301,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, mutual: bool) -> None:
     server = {"tls_cert": str(tmp_path / "server_cert.pem"), "tls_key": str(tmp_path / "server_key.pem")}
     if mutual:
         server["tls_client_ca"] = str(tmp_path / "ca.pem")
-    dep.write_config(memory_bytes=1 << 20, server=server)
+    dep.write_config(memory_bytes=1 << 20, server=server, security=PUBLISHERS)
     with Daemon(dep.config()) as d:
         token = dep.token(roles=PUBLISH)
         client_certs = {"tls_cert": pki["client_cert"], "tls_key": pki["client_key"]} if mutual else {}
@@ -368,7 +370,7 @@ def test_engine_chain_gpu_then_local_cpu_then_daemon(client, daemon: Daemon) -> 
 # -- shutdown ---------------------------------------------------------------------------------------
 def test_graceful_shutdown_drains_an_inflight_put(tmp_path: Path) -> None:
     dep = LocalDeployment(tmp_path, server_secret=SECRET)
-    dep.write_config(memory_bytes=None, disk_bytes=32 << 20)
+    dep.write_config(memory_bytes=None, disk_bytes=32 << 20, security=PUBLISHERS)
     d = Daemon(dep.config()).start()
     token = dep.token(roles=PUBLISH)
     blocks = chain_blocks(6)

@@ -35,7 +35,9 @@ MIN_PUBLIC = 3
 
 def _start(tmp_path: Path, **security: int) -> tuple[Daemon, LocalDeployment]:
     dep = LocalDeployment(tmp_path / "dep", server_secret=SECRET)
-    dep.write_config(memory_bytes=64 * SMALL.bytes_per_block, disk_bytes=32 << 20, security=security)
+    # acme/pub publishes the public documents (the default trusts operators only).
+    dep.write_config(memory_bytes=64 * SMALL.bytes_per_block, disk_bytes=32 << 20,
+                     security={"public_publishers": "acme/pub", **security})
     return Daemon(dep.config()).start(), dep
 
 

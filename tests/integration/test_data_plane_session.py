@@ -46,7 +46,8 @@ MID = KVLayout("shm-test", num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfl
 
 def _start(root: Path, *, server: dict | None = None) -> tuple[LocalDeployment, Daemon]:
     dep = LocalDeployment(root, server_secret=SECRET)
-    dep.write_config(memory_bytes=256 << 20, server=server)
+    # acme/pub publishes the public blocks (the default trusts operators only).
+    dep.write_config(memory_bytes=256 << 20, server=server, security={"public_publishers": "acme/pub"})
     return dep, Daemon(dep.config()).start()
 
 

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.block import Block
 from kvtier.keys import Scope
-from kvtier.security.policy import ROLE_PUBLISH_PUBLIC
+from kvtier.security.policy import ROLE_OPERATOR, ROLE_PUBLISH_PUBLIC
 from kvtier.server.daemon import Daemon
 from kvtier.store.spill_queue import SpillOptions
 from kvtier.store.tier import Tier
@@ -73,7 +73,8 @@ def test_a_tier_without_its_own_holds_answers_through_the_contract_s_default(
         memory_daemon: tuple[LocalDeployment, Daemon]) -> None:
     """A daemon seen as a tier (GrpcTier) answers run by run with its Lookup."""
     dep, d = memory_daemon
-    tier = GrpcTier(GrpcTierConfig(d.address, dep.token(roles=(ROLE_PUBLISH_PUBLIC,))))
+    # The blocks are public: an operator publishes them (the default trusts operators only).
+    tier = GrpcTier(GrpcTierConfig(d.address, dep.token("kvtier", "ops", roles=(ROLE_PUBLISH_PUBLIC, ROLE_OPERATOR))))
     try:
         assert type(tier).holds is Tier.holds
         blocks = singles(8)

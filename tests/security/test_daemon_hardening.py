@@ -37,8 +37,10 @@ BIG = KVLayout("big-test-model", num_layers=2, num_kv_heads=2, head_dim=512, dty
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, LocalDeployment]]:
     dep = LocalDeployment(tmp_path_factory.mktemp("hardening"), server_secret=SECRET)
+    # The publishers of public blocks below, named (the default trusts operators only); two tenants'.
     dep.write_config(memory_bytes=64 << 20, disk_bytes=64 << 20, server={"chunk_bytes": 65536},
-                     security={"min_public_prefix_blocks": 3})
+                     security={"min_public_prefix_blocks": 3,
+                               "public_publishers": "acme/list-pub, acme/put-a, globex/put-b, acme/stats-a"})
     d = Daemon(dep.config()).start()
     yield d, dep
     d.stop(grace_s=0)

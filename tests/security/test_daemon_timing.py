@@ -25,7 +25,8 @@ PUBLISH = ("publish:public",)
 
 def _start(tmp_path: Path, **security: int) -> tuple[Daemon, LocalDeployment]:
     dep = LocalDeployment(tmp_path / "dep", server_secret=SECRET)
-    dep.write_config(memory_bytes=64 * SMALL.bytes_per_block, security=security)
+    # acme/alice publishes the public documents (the default trusts operators only).
+    dep.write_config(memory_bytes=64 * SMALL.bytes_per_block, security={"public_publishers": "acme/alice", **security})
     return Daemon(dep.config()).start(), dep
 
 

@@ -34,7 +34,7 @@ from kvtier.security.timing import TimingMitigations
 from kvtier.server.daemon import Daemon
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import DERIVER, SECRET, SMALL
-from tests.integration.locate_rig import Engine, publish
+from tests.integration.locate_rig import PUBLISHER, Engine, publish
 from tests.security.builders import BOB, CURATOR, CacheRig, tensors
 
 BT = SMALL.block_tokens
@@ -45,7 +45,9 @@ CACHED, NEVER = 100_000, 200_000  # token bases: a document someone published, o
 
 def _start(root: Path, **security: object) -> tuple[Daemon, LocalDeployment]:
     dep = LocalDeployment(root, server_secret=SECRET)
-    dep.write_config(memory_bytes=4 << 20, security={"min_public_prefix_blocks": N, **security})
+    # ``publish``'s principal is the deployment's trusted publisher (the default: operators only).
+    dep.write_config(memory_bytes=4 << 20,
+                     security={"min_public_prefix_blocks": N, "public_publishers": PUBLISHER, **security})
     return Daemon(dep.config()).start(), dep
 
 

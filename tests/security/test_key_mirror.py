@@ -23,12 +23,14 @@ from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import DERIVER, SECRET, chain_blocks
 
 PUBLISH = ("publish:public",)
+#: acme/pub publishes the public blocks below (the default trusts operators only).
+PUBLISHERS = "acme/pub"
 
 
 def _deploy(root: Path, s3: EmbeddedS3, prefix: str, **tiers) -> LocalDeployment:
     dep = LocalDeployment(root, server_secret=SECRET)
     dep.write_config(remote={"endpoint": s3.endpoint_url, "bucket": s3.bucket, "prefix": prefix},
-                     security={"key_store_dir": str(root / "keys")}, **tiers)
+                     security={"key_store_dir": str(root / "keys"), "public_publishers": PUBLISHERS}, **tiers)
     return dep
 
 
@@ -101,7 +103,7 @@ def test_refused_mirror_keys_are_on_metrics(s3_server: EmbeddedS3, raw_s3, tmp_p
     dep = LocalDeployment(tmp_path / "a", server_secret=SECRET)
     dep.write_config(memory_bytes=None, disk_bytes=1 << 24, server={"metrics_listen": "127.0.0.1:0"},
                      remote={"endpoint": s3_server.endpoint_url, "bucket": s3_server.bucket, "prefix": prefix},
-                     security={"key_store_dir": str(tmp_path / "a" / "keys")})
+                     security={"key_store_dir": str(tmp_path / "a" / "keys"), "public_publishers": PUBLISHERS})
     with Daemon(dep.config()) as d:
         def scrape() -> str:
             with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10) as resp:

@@ -113,7 +113,9 @@ class InProcess(Front):
 class ThroughDaemon(Front):
     def __init__(self, root: Path) -> None:
         self.dep = LocalDeployment(root / "dep", server_secret=SECRET)
-        self.dep.write_config(memory_bytes=256 * SMALL.bytes_per_block)
+        # The curator is the deployment's trusted publisher (the default trusts operators only).
+        self.dep.write_config(memory_bytes=256 * SMALL.bytes_per_block,
+                              security={"public_publishers": "kvtier/curator"})
         self.daemon = Daemon(self.dep.config()).start()
         self.tiers: dict[str, GrpcTier] = {}
 
