@@ -396,7 +396,9 @@ def run(args: argparse.Namespace) -> int:
             "chunk_bytes": plan.chunk_bytes, "max_message_bytes": max(64 << 20, 2 * plan.chunk_bytes),
             # Every client is one load generator's principal: it may use the whole call limit.
             "max_concurrent_rpcs": max(64, 4 * clients), "max_concurrent_rpcs_per_tenant": max(64, 4 * clients),
-            "max_concurrent_rpcs_per_principal": max(64, 4 * clients), "log_level": "warning"})
+            "max_concurrent_rpcs_per_principal": max(64, 4 * clients), "log_level": "warning"},
+            # The load generator publishes the shared chains (the default trusts operators only).
+            security={"public_publishers": "bench/loadgen"})
         procs: list[subprocess.Popen[bytes]] = []
         try:
             progress(f"starting the daemon and the raw gRPC server ({plan.block_bytes >> 10} KiB blocks, "

@@ -418,6 +418,10 @@ def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_by
     from benchmarks.localdeploy import LocalDeployment
 
     dep = LocalDeployment(workdir / "daemon", server_secret=_SECRET)
+    # Tenant 0 publishes the document: the deployment names it its trusted publisher (the
+    # default trusts operators only).
+    publisher = tenants_of(1)[0]
+    security = {"public_publishers": publisher.id, **(security or {})}
     dep.write_config(memory_bytes=memory_bytes, disk_bytes=disk_bytes, remote=remote, security=security,
                      server={"log_level": "warning"})
     ready = workdir / "daemon" / "ready.json"

@@ -300,8 +300,10 @@ class KvtierSide:
         server: dict[str, Any] = {"log_level": "warning"}
         if pages:  # the reader's pages attach as a region of their own: the bound must admit them
             server["max_region_bytes"] = PagedRequests.region_bytes(self.w) + (64 << 20)
+        # The bench's principal warms the public documents (the default trusts operators only).
         dep.write_config(memory_bytes=memory, disk_bytes=disk, server=server,
-                         memory={"prefault": prefault} if memory is not None else None)
+                         memory={"prefault": prefault} if memory is not None else None,
+                         security={"public_publishers": "bench/peer"})
         ready = dep.root / "ready.json"
         ready.unlink(missing_ok=True)
         env = dict(os.environ)

@@ -255,6 +255,11 @@ def complete(server: Server, tokens: list[int], salt: str | None, max_tokens: in
             "output": Generation.of(toks, tops)}
 
 
+#: Who copies a document into the public scope (``publish``): the daemon's config names it a
+#: trusted publisher, since the default trusts operators only.
+CURATOR = ("kvtier", "curator")
+
+
 def publish(daemon_address: str, dep: Any, engine_token: str, salt: str, doc: list[int], lay: Any) -> int:
     """Copy the document's blocks, as the salt's request computed and saved them, into the public
     scope through the daemon, as a curator with ``publish:public`` (the engine never writes a
@@ -271,9 +276,8 @@ def publish(daemon_address: str, dep: Any, engine_token: str, salt: str, doc: li
         assert tenant is not None
         mine = tenant.cache.chain(tenant.principal, [RequestSegment(doc, ScopeKind.USER)])
         blocks = tenant.cache.load(tenant.principal, mine)
-        publisher = Principal("kvtier", "curator", roles=frozenset({"publish:public"}))
-        cache = daemon_cache(GrpcTierConfig(daemon_address, dep.token("kvtier", "curator", roles=("publish:public",))),
-                             lay)
+        publisher = Principal(*CURATOR, roles=frozenset({"publish:public"}))
+        cache = daemon_cache(GrpcTierConfig(daemon_address, dep.token(*CURATOR, roles=("publish:public",))), lay)
         public = cache.chain(publisher, [RequestSegment(doc[: len(blocks) * lay.block_tokens], ScopeKind.PUBLIC)])
         stored = sum(cache.save(publisher, public, [b.data for b in blocks]).stored.values())
         cache.close()
@@ -305,7 +309,9 @@ def run(args: argparse.Namespace) -> int:
         dep = LocalDeployment(work / "daemon", server_secret=os.urandom(32).hex().encode())
         # The engine's pages (VLLM_CPU_KVCACHE_SPACE, 2 GiB) attach to the daemon as a region of
         # their own, so its loads land in them directly: the region bound must admit them.
-        dep.write_config(memory_bytes=4 << 30, server={"log_level": "warning", "max_region_bytes": 4 << 30})
+        # The curator publishes the shared document (the default trusts operators only).
+        dep.write_config(memory_bytes=4 << 30, server={"log_level": "warning", "max_region_bytes": 4 << 30},
+                         security={"public_publishers": "/".join(CURATOR)})
         ready = work / "daemon" / "ready.json"
         progress("starting a kvtier daemon")
         daemon = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python3",

@@ -47,7 +47,7 @@ import pytest
 import torch
 
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, compare
-from benchmarks.vllm_bench import llama_layout, publish, write_model
+from benchmarks.vllm_bench import CURATOR, llama_layout, publish, write_model
 from kvtier.engine.models import model_spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -111,8 +111,10 @@ class Daemon:
 
         self.dep = LocalDeployment(self.root / "dep", server_secret=b"engine-suite-server-secret-0123")
         # The engine's pages (VLLM_CPU_KVCACHE_SPACE, 1 GiB) attach as a region of their own.
+        # ``publish``'s curator is the deployment's trusted publisher (the default: operators only).
         self.dep.write_config(memory_bytes=self.memory_bytes, disk_bytes=256 << 20,
-                              server={"log_level": "warning", "max_region_bytes": 2 << 30})
+                              server={"log_level": "warning", "max_region_bytes": 2 << 30},
+                              security={"public_publishers": "/".join(CURATOR)})
         self.engine_token = self.root / "engine.token"
         self.engine_token.write_text(self.dep.token("node1", "engine", roles=("engine",)))
         self.engine_token.chmod(0o600)
