@@ -2,9 +2,10 @@
 first token comes soonest (kvtier/router/; docs/operations.md, "Run a fleet").
 
 Engines are ``--engine NODE=URL`` (vLLM's ``vllm serve`` or any OpenAI-compatible server); the
-nodes' daemons, asked where each prompt is cached, are ``--node NAME=HOST:PORT`` or ``--members
-FILE`` (the fleet view's membership file), with a ``router`` token (``--token-file``). Without
-nodes the router balances load alone.
+nodes' daemons, asked where each prompt is cached, are ``--node NAME=HOST:PORT``, ``--members
+FILE`` (the fleet view's membership file) or ``--members k8s://NAMESPACE/SERVICE:PORT`` (a
+Service's endpoints, read again every ``--refresh-ms``: kvtier/server/k8s_membership.py), with a
+``router`` token (``--token-file``). Without nodes the router balances load alone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvtier.router.prompts import PromptTokenizer
 from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.server.config import host_port
 from kvtier.server.fleet_view import FleetView, Member, parse_members, read_members
+from kvtier.server.k8s_membership import K8sEndpoints, is_k8s_source
 
 DEFAULT_DEADLINE_MS = 300.0
 
@@ -39,8 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an engine (its OpenAI server's base URL, e.g. http://10.0.0.11:8000) and the node whose "
                         "daemon serves it (repeatable; several engines may share a node)")
     who = p.add_mutually_exclusive_group()
-    who.add_argument("--members", metavar="FILE", help="the nodes' daemons: a membership file (TOML: [nodes] "
-                                                       "NAME = \"HOST:PORT\", optional deadline_ms)")
+    who.add_argument("--members", metavar="FILE|k8s://NS/SERVICE:PORT",
+                     help="the nodes' daemons: a membership file (TOML: [nodes] NAME = \"HOST:PORT\", optional "
+                          "deadline_ms), or a Kubernetes Service's ready endpoints (in-cluster service account; "
+                          "PORT its name or number; each node named after its pod), read again every --refresh-ms")
     who.add_argument("--node", action="append", metavar="NAME=HOST:PORT", help="a node's daemon (repeatable)")
     p.add_argument("--token-file", metavar="PATH", help="the router's token (`kvtier token --role router`); a "
                                                         "secret file (mode 0600 or 0640). Needed with nodes")
@@ -54,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline-ms", type=float, metavar="MS",
                    help=f"Locate answers within this many ms; a node that has not answered is left out until a "
                         f"probe finds it again (default: the membership file's, else {DEFAULT_DEADLINE_MS:g})")
+    p.add_argument("--refresh-ms", type=float, default=10000.0, metavar="MS",
+                   help="with --members k8s://...: the endpoints are read again this often (default 10000)")
     p.add_argument("--poll-ms", type=float, default=1000.0, metavar="MS",
                    help="each engine's /health and /metrics polled this often (default 1000)")
     p.add_argument("--health-timeout-ms", type=float, default=1000.0, metavar="MS",
@@ -106,7 +112,14 @@ def _fleet(args: argparse.Namespace, metrics: RouterMetrics) -> CacheView | None
             raise ConfigError("--token-file: given without nodes (--node or --members) to ask")
         return None
     deadline_s = None
-    if args.members:
+    source = None
+    refresh_s = _ms("refresh-ms", args.refresh_ms)
+    if args.members and is_k8s_source(args.members):
+        source = K8sEndpoints.parse(args.members)
+        members = asyncio.run(source.fetch())
+        if not members:
+            raise ConfigError(f"--members {source.source}: the Service has no ready endpoint on that port")
+    elif args.members:
         members, deadline_s = read_members(args.members)
     else:
         members = parse_members(args.node)
@@ -128,7 +141,7 @@ def _fleet(args: argparse.Namespace, metrics: RouterMetrics) -> CacheView | None
                                                      name=m.name))
 
     fleet = FleetView(members, connect, deadline_s or DEFAULT_DEADLINE_MS / 1e3)  # type: ignore[arg-type]
-    return CacheView(fleet, metrics, probe_s=_ms("probe-ms", args.probe_ms))
+    return CacheView(fleet, metrics, probe_s=_ms("probe-ms", args.probe_ms), membership=source, refresh_s=refresh_s)
 
 
 def run(args: argparse.Namespace) -> int:

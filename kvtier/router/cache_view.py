@@ -7,9 +7,16 @@ and a probe (one token, nothing to look up) asks it again every ``probe_s`` unti
 when it rejoins. A node that answers with a refusal or an error is up (it answered); that
 request is priced without its cache.
 
+With a membership source (``membership``: the Kubernetes endpoints of kvtier/server/
+k8s_membership.py), the members are read again every ``refresh_s``: a new node joins up, a node
+gone is no longer asked. A refresh that fails keeps the membership it has (logged, counted in
+``kvtier_router_membership_refreshes``), and one that finds no node keeps it too: an empty
+Service is far more often a moment of a rollout than a fleet with no daemon.
+
 Protocol: ``CacheView(fleet, ...)`` -> ``locate(tokens, salt)`` per request (from the event loop;
 the fleet view's blocking call runs in a worker thread) -> ``run_probes()`` as a task until
-cancelled -> ``close()``. Up/down state is changed on the event loop only.
+cancelled (the probes, and the membership refreshes when there is a source) -> ``close()``.
+Up/down state and membership are changed on the event loop only.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
+from kvtier.errors import KvtierError
 from kvtier.router.metrics import RouterMetrics
-from kvtier.server.fleet_view import OK, SKIPPED, UNAVAILABLE, FleetAnswer, FleetView
+from kvtier.server.fleet_view import OK, SKIPPED, UNAVAILABLE, FleetAnswer, FleetView, Member
 from kvtier.server.locate import Located, LocateQuery
 
 log = logging.getLogger("kvtier.router")
@@ -29,13 +38,25 @@ log = logging.getLogger("kvtier.router")
 PROBE = LocateQuery(tokens=(0,))
 
 
+class MembershipSource(Protocol):
+    """Where the members come from when they change (kvtier/server/k8s_membership.py)."""
+
+    async def fetch(self) -> list[Member]: ...
+
+    def describe(self) -> str: ...
+
+
 class CacheView:
     """Per-node Locate answers for the router, with down nodes left out (module docstring)."""
 
-    def __init__(self, fleet: FleetView, metrics: RouterMetrics, *, probe_s: float, workers: int = 16) -> None:
+    def __init__(self, fleet: FleetView, metrics: RouterMetrics, *, probe_s: float, workers: int = 16,
+                 membership: MembershipSource | None = None, refresh_s: float = 10.0) -> None:
+        assert refresh_s > 0
         self.fleet = fleet
         self.metrics = metrics
         self.probe_s = probe_s
+        self.membership = membership
+        self.refresh_s = refresh_s
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-route-locate")
         self._up = {m.name: True for m in fleet.members}
         for name in self._up:
@@ -60,11 +81,53 @@ class CacheView:
         return {n.member.name: n.located for n in answer.nodes if n.located is not None}
 
     async def run_probes(self) -> None:
+        if self.membership is not None:
+            await asyncio.gather(self._probe_loop(), self._refresh_loop())
+        else:
+            await self._probe_loop()
+
+    async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(self.probe_s)
             down = {n for n, up in self._up.items() if not up}
             if down:
                 self._note(await self._ask(PROBE, down))
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def refresh(self) -> bool:
+        """Read the membership source once and adopt what it lists; whether it was adopted."""
+        assert self.membership is not None
+        try:
+            members = await self.membership.fetch()
+        except KvtierError as exc:
+            log.warning("membership from %s not refreshed (the last one is kept): %s",
+                        self.membership.describe(), exc)
+            self.metrics.membership_refreshes.labels("failed").inc()
+            return False
+        if not members:
+            log.warning("membership from %s lists no node; the last one is kept", self.membership.describe())
+            self.metrics.membership_refreshes.labels("empty").inc()
+            return False
+        self.set_members(members)
+        self.metrics.membership_refreshes.labels("ok").inc()
+        return True
+
+    def set_members(self, members: Sequence[Member]) -> None:
+        added, removed = self.fleet.set_members(members)
+        for name in removed:
+            if self._up.pop(name, None) is not None:
+                self.metrics.node_up.remove(name)
+        for name in added:
+            self._up[name] = True
+            self.metrics.node_up.labels(name).set(1)
+        if added or removed:
+            log.warning("membership from %s: %d node(s); joined %s, left %s",
+                        self.membership.describe() if self.membership else "the caller",
+                        len(self._up), added or "none", removed or "none")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -76,7 +139,7 @@ class CacheView:
     def _note(self, answer: FleetAnswer) -> None:
         for n in answer.nodes:
             name = n.member.name
-            if n.status == SKIPPED:
+            if n.status == SKIPPED or name not in self._up:  # skipped, or left the membership meanwhile
                 continue
             self.metrics.locate_answers.labels(name, n.status).inc()
             if n.status == UNAVAILABLE and self._up[name]:

@@ -40,6 +40,9 @@ class RouterMetrics:
                              "(the queue model's per-request wait)", ["engine"], registry=r)
         self.locate_answers = Counter("kvtier_router_locate_answers", "Locate answers by node and status "
                                       "(ok, unavailable, refused, error, skipped)", ["node", "status"], registry=r)
+        self.membership_refreshes = Counter("kvtier_router_membership_refreshes", "Reads of the membership "
+                                            "source (--members k8s://...), by outcome (ok, failed, empty: "
+                                            "both keep the last membership)", ["outcome"], registry=r)
         self.locate_seconds = Histogram("kvtier_router_locate_seconds", "Time of one fleet Locate",
                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("kvtier_router_ttft_seconds", "Time from the router's arrival to the first chunk "

@@ -2,9 +2,10 @@
 
 No distributed state of its own: each daemon answers for what it holds (kvtier/server/locate.py)
 and this view asks them all at once. Membership is a list of named addresses, from a TOML file
-(``read_members``) or a flag (``parse_members``). A node that does not answer within the deadline
-(stopped, frozen, partitioned) is reported ``unavailable`` with the reason, never dropped, so a
-router can tell "no cache there" from "no answer from there".
+(``read_members``), a flag (``parse_members``), or a Kubernetes Service's endpoints
+(kvtier/server/k8s_membership.py; the caller refreshes it through ``set_members``). A node that
+does not answer within the deadline (stopped, frozen, partitioned) is reported ``unavailable``
+with the reason, never dropped, so a router can tell "no cache there" from "no answer from there".
 
 Protocol: ``FleetView(members, connect, deadline_s)`` opens one client per member (``connect``:
 a kvtier daemon client with a ``locate`` method, e.g. storage_backends' GrpcTier, found by the
@@ -22,6 +23,7 @@ Membership file::
 from __future__ import annotations
 
 import re
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Collection, Sequence
@@ -162,11 +164,12 @@ class FleetAnswer:
 
 
 class FleetView:
-    """Scatter-gather Locate over a fixed membership (see the module docstring).
+    """Scatter-gather Locate over a membership, fixed or replaced by ``set_members`` (module docstring).
 
-    Invariants: one client and one worker thread per member; a query waits at most the deadline
-    (plus scheduling), and every member appears in its answer. Thread-safe: the clients and the
-    pool are.
+    Invariants: one client and at least one worker thread per member; a query waits at most the
+    deadline (plus scheduling), and every member of the membership it started with appears in its
+    answer. Thread-safe: the clients and the pool are, and ``set_members`` swaps the membership
+    under a lock that a query holds only while it submits its calls.
     """
 
     def __init__(self, members: Sequence[Member], connect: Callable[[Member], LocateClient],
@@ -175,16 +178,61 @@ class FleetView:
             raise ConfigError("a fleet view needs at least one node")
         if not deadline_s > 0:
             raise ConfigError("the fleet view's deadline must be positive")
-        self.members = list(_unique(list(members)))
         self.deadline_s = deadline_s
-        self._clients: list[LocateClient] = []
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._retired: list[LocateClient] = []
+        # (member, client) pairs, replaced as a whole by set_members: a query reads one snapshot.
+        self._nodes: tuple[tuple[Member, LocateClient], ...] = ()
+        clients: list[LocateClient] = []
         try:
-            for m in self.members:
-                self._clients.append(connect(m))
+            for m in _unique(list(members)):
+                clients.append(connect(m))
+                self._nodes += ((m, clients[-1]),)
         except BaseException:
             self.close()
             raise
-        self._pool = ThreadPoolExecutor(max_workers=len(self.members), thread_name_prefix="kvtier-fleet")
+        self._pool = ThreadPoolExecutor(max_workers=len(self._nodes), thread_name_prefix="kvtier-fleet")
+        self._pool_size = len(self._nodes)
+
+    @property
+    def members(self) -> list[Member]:
+        return [m for m, _ in self._nodes]
+
+    def set_members(self, members: Sequence[Member]) -> tuple[list[str], list[str]]:
+        """Adopt a new membership (a refreshed source): a client is opened for each new member (or
+        one whose address changed), and the clients of members gone are closed at the next call or
+        at ``close`` (by then every query that could use them is past its deadline). Returns the
+        names (added, removed); a member whose address changed is in both."""
+        if not members:
+            raise ConfigError("a fleet view needs at least one node")
+        members = _unique(list(members))
+        with self._lock:
+            for client in self._retired:
+                client.close()
+            self._retired = []
+            old = {m.name: (m, c) for m, c in self._nodes}
+            nodes: list[tuple[Member, LocateClient]] = []
+            added: list[str] = []
+            removed = sorted(old.keys() - {m.name for m in members})
+            for m in members:
+                kept = old.pop(m.name, None)
+                if kept is not None and kept[0] == m:
+                    nodes.append(kept)
+                    continue
+                if kept is not None:  # the same name at another address
+                    self._retired.append(kept[1])
+                    removed.append(m.name)
+                nodes.append((m, self._connect(m)))
+                added.append(m.name)
+            self._retired.extend(c for _, c in old.values())
+            if len(nodes) > self._pool_size:
+                # A larger pool for the larger fleet; the old one finishes what it runs.
+                self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="kvtier-fleet")
+                self._pool_size = len(nodes)
+            self._nodes = tuple(nodes)
+        return added, sorted(removed)
 
     def locate(self, query: LocateQuery, only: Collection[str] | None = None) -> FleetAnswer:
         """Every member's answer; with ``only``, the members not named there are not asked and are
@@ -192,12 +240,14 @@ class FleetView:
         does not cost every request the deadline)."""
         request = query_to_msg(query)
         t0 = time.monotonic()
-        futures: list[Future[tuple[pb.LocateResponse, float]] | None] = [
-            self._pool.submit(self._ask, client, request, t0) if only is None or m.name in only else None
-            for m, client in zip(self.members, self._clients, strict=True)]
+        with self._lock:
+            nodes, pool = self._nodes, self._pool
+            futures: list[Future[tuple[pb.LocateResponse, float]] | None] = [
+                pool.submit(self._ask, client, request, t0) if only is None or m.name in only else None
+                for m, client in nodes]
         wait([f for f in futures if f is not None], timeout=self.deadline_s)
         out = []
-        for m, f in zip(self.members, futures, strict=True):
+        for (m, _), f in zip(nodes, futures, strict=True):
             if f is None:
                 out.append(NodeAnswer(m, SKIPPED, 0.0, reason="not asked (left out by the caller)"))
                 continue
@@ -226,8 +276,11 @@ class FleetView:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        for c in self._clients:
+        for _, c in self._nodes:
             c.close()
+        for c in self._retired:
+            c.close()
+        self._retired = []
 
 
 def _status(exc: KvtierError) -> str:

@@ -310,7 +310,8 @@ def test_pod_security(name):
         assert psc["runAsNonRoot"] is True, where
         assert isinstance(psc["runAsUser"], int) and psc["runAsUser"] > 0, where
         assert psc["seccompProfile"] == {"type": "RuntimeDefault"}, where
-        assert pod["automountServiceAccountToken"] is False, where
+        # Only the fleet's router holds an API token: its own account, which may list endpointslices.
+        assert pod["automountServiceAccountToken"] is (where == "Deployment/kvtier-router"), where
         for host_ns in ("hostNetwork", "hostPID", "hostIPC"):
             assert not pod.get(host_ns), where
         tmp_volumes = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
@@ -740,5 +741,20 @@ def test_fleet_overlay_routes_to_every_engine_pod_and_its_daemon(tmp_path):
     assert engines == [f"{n}=http://{n}.vllm.kvtier.svc:8000" for n in names]
     members = tomllib.loads(cm["data"]["members.toml"])
     assert members["nodes"] == {n: f"{n}.vllm.kvtier.svc:7070" for n in names}
+    # ... the router reads them from the Service's endpoints: the port it names is the daemons'
+    # gRPC port, and its own account may list endpointslices in the namespace, and nothing else.
+    from kvtier.server.k8s_membership import K8sSource
+
+    source = K8sSource.parse(next(a.split("=", 1)[1] for a in router["command"] if a.startswith("--members=")))
+    service = one(objects, "Service", "vllm")
+    assert (source.namespace, source.service) == ("kvtier", "vllm")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}[source.port] == 7070
+    router_pod = one(objects, "Deployment", "kvtier-router")["spec"]["template"]["spec"]
+    assert router_pod["serviceAccountName"] == "kvtier-router"
+    role = one(objects, "Role", "kvtier-router-endpoints")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
+    binding = one(objects, "RoleBinding", "kvtier-router-endpoints")
+    assert binding["roleRef"]["name"] == "kvtier-router-endpoints"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvtier-router", "namespace": "kvtier"}]
     # The base's node daemons are parked: every engine pod here has its own.
     assert daemonset(objects)["spec"]["template"]["spec"]["nodeSelector"]["kvtier.io/node-daemon"] == "true"
