@@ -104,7 +104,9 @@ class Router:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
         self._watch = EngineWatch(self.engines, self._session, self.queue, self.metrics, poll_s=s.poll_s,
                                   timeout_s=s.health_timeout_s)
-        self._proxy = Proxy(self._session, s.connect_timeout_s)
+        # A stream whose engine was taken down ends when no chunk came for as long as the health
+        # watch gives an engine to answer a poll, plus one poll interval.
+        self._proxy = Proxy(self._session, s.connect_timeout_s, stall_s=s.poll_s + s.health_timeout_s)
         await self._watch.poll_all()
         self._tasks.append(asyncio.create_task(self._watch.run(), name="kvtier-route-engine-watch"))
         if self.cache is not None:

@@ -7,13 +7,16 @@ engine. From the first byte on, the attempt is the answer: a streamed answer (se
 is passed through chunk by chunk as it comes; one that is not streamed is read whole and sent.
 A streamed answer whose engine fails after it began ends with an error event (``data: {"error":
 ...}``, as vLLM streams its own errors) and no ``data: [DONE]``: the client sees it end short,
-never bytes of another engine's answer spliced in.
+never bytes of another engine's answer spliced in. The health watch taking the engine down ends
+a stream only once the stream has also stalled (no chunk for ``stall_s``): a poll can fail or be
+slow on an engine that is merely busy, and a stream still delivering chunks proves its engine is
+alive (a frozen engine sends none, so it still ends within ``stall_s``).
 
 The engine's own answers (200, and 4xx/500 about the request) pass through with their status
 and body. Only the headers that describe the content pass, plus ``X-Kvtier-Engine`` (who
 answered) and ``X-Kvtier-Route`` (why it was chosen).
 
-Protocol: ``Proxy(session, connect_timeout_s)`` -> ``forward(...)`` per attempt -> an ``Outcome``.
+Protocol: ``Proxy(session, connect_timeout_s, stall_s)`` -> ``forward(...)`` per attempt -> an ``Outcome``.
 """
 
 from __future__ import annotations
@@ -87,8 +90,10 @@ async def _race(aw: Awaitable[T], down: asyncio.Event) -> T:
 class Proxy:
     """Sends attempts to engines over one shared client session (see the module docstring)."""
 
-    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, stall_s: float = 2.0) -> None:
+        assert stall_s > 0
         self.session = session
+        self.stall_s = stall_s
         # No overall deadline: a long generation is no fault. A frozen engine is caught by the
         # health watch (its down signal ends the attempt), a dead one by its connection.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
@@ -144,12 +149,20 @@ class Proxy:
             await out.write(first)
             while True:
                 try:
-                    chunk = await _race(resp.content.readany(), down)
-                except (_EngineDown, TimeoutError, aiohttp.ClientError) as exc:
-                    why = "taken down by the health watch" if isinstance(exc, _EngineDown) else type(exc).__name__
+                    if down.is_set():  # taken down, but still streaming: ended only if it stalls too
+                        chunk = await asyncio.wait_for(resp.content.readany(), self.stall_s)
+                    else:
+                        try:
+                            chunk = await _race(resp.content.readany(), down)
+                        except _EngineDown:
+                            continue  # read again, under the stall limit
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    stalled = isinstance(exc, TimeoutError) and down.is_set()
+                    why = f"taken down by the health watch, no chunk for {self.stall_s:g} s" if stalled \
+                        else type(exc).__name__
                     await out.write(sse_error(502, f"engine {engine.name} failed mid-response ({why})"))
                     await out.write_eof()
-                    return Outcome(FAILED_MID_RESPONSE, out, 200, why, engine_down=isinstance(exc, _EngineDown))
+                    return Outcome(FAILED_MID_RESPONSE, out, 200, why, engine_down=stalled)
                 if not chunk:
                     break
                 await out.write(chunk)

@@ -49,6 +49,7 @@ class TestEngine:
     def __init__(self, name: str, prefill_s: float, token_s: float, tokenizer_dir: str | None) -> None:
         self.name = name
         self.prefill_s = prefill_s
+        self.health_s = 0.0
         self.token_s = token_s
         # Its own tokenization, not the router's code nor transformers': the tokenizer file read by
         # the tokenizers library and the chat template rendered by jinja2, as a model directory has them.
@@ -126,6 +127,7 @@ class TestEngine:
             self.running.labels("m").dec()
 
     async def health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_s)  # a busy engine answers its polls late
         return web.Response(text="")
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -138,10 +140,12 @@ class TestEngine:
         return web.json_response(self.served)
 
     async def set_prefill(self, request: web.Request) -> web.Response:
-        """The test's knob: this engine's prefill time (and time per streamed token) from now on."""
+        """The test's knob: this engine's prefill time (and time per streamed token, and how late
+        it answers /health) from now on."""
         body = await request.json()
         self.prefill_s = float(body["ms"]) / 1e3
         self.token_s = float(body.get("token_ms", 0)) / 1e3
+        self.health_s = float(body.get("health_ms", 0)) / 1e3
         return web.json_response({"prefill_ms": self.prefill_s * 1e3})
 
 

@@ -255,6 +255,44 @@ def test_a_client_leaving_mid_stream_ends_the_engines_request(fleet: Fleet) -> N
 
 
 # -- engine faults ---------------------------------------------------------------------------------
+def _stream_started(f: Fleet, prompt: list[int]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str]:
+    host, port = f.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": prompt, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read1(65536).startswith(b"data: ")
+    return conn, resp, resp.getheader("X-Kvtier-Engine") or ""
+
+
+def test_a_stream_still_coming_outlives_a_slow_health_poll_and_a_frozen_one_ends(fleet: Fleet) -> None:
+    """A busy engine answering its polls late is taken down for new requests, but a stream it is
+    still delivering completes; a frozen engine's stream ends with an error event (the control)."""
+    f = fleet
+    for name in f.engines:
+        f.prefill(name, 0, token_ms=400)  # 8 tokens: 3.2 s a stream, a chunk every 0.4 s
+    conn, resp, busy = _stream_started(f, D)
+    # Its polls now answer after 2.5 s, beyond the router's health timeout (1.5 s): taken down.
+    assert call(f.engine_url(busy), "/test/prefill", {"ms": 0, "token_ms": 400, "health_ms": 2500}).status == 200
+    until(lambda: not health(f.url)["engines"][busy]["up"], what="the busy engine taken down")
+    rest = resp.read()
+    conn.close()
+    assert b"data: [DONE]" in rest and b'"error"' not in rest, rest[-400:]
+    f.prefill(busy, 0, token_ms=400)
+    until(lambda: health(f.url)["engines"][busy]["up"], what="the busy engine back")
+    # Control: an engine frozen mid-stream sends nothing more; its stream ends with an error event.
+    conn, resp, frozen = _stream_started(f, Q)
+    f.engines[frozen].freeze()
+    try:
+        rest = resp.read()
+    finally:
+        f.engines[frozen].thaw()
+        conn.close()
+    assert b"failed mid-response" in rest and b"no chunk for" in rest and b"[DONE]" not in rest, rest[-400:]
+    for name in f.engines:
+        f.prefill(name, 0)
+
+
 def test_engines_killed_or_frozen_drop_out_and_rejoin(fleet: Fleet) -> None:
     f = fleet
     alice = f.dep.salt("acme", "alice")
