@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, metavar="PNG", help="plot TTFT p99 and hit rate per policy")
     parser.add_argument("--quick", action="store_true",
                         help=f"a short run (--simulate: the first {simulate.QUICK_REQUESTS} requests of each "
-                             "source; real engines: the small model, one round of a small workload)")
+                             "source; real engines: one round of a small workload)")
     simulate.add_arguments(parser)
     real.add_arguments(parser)
 

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--routers", default=",".join(ROUTERS), help="routers to compare, comma-separated "
                    f"(default {','.join(ROUTERS)})")
     g.add_argument("--model-size", choices=["small", "medium", "large"],
-                   help="the engines' model (the real-weights recipe; default medium, --quick small)")
+                   help="the engines' model (the real-weights recipe; default small: two engines share 2 cores)")
     g.add_argument("--rate", type=float, metavar="PER_S", help="Poisson arrival rate (default the workload's)")
     g.add_argument("--workdir", type=Path, metavar="DIR", help="keep logs and state here (default a temp dir)")
     g.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, metavar="PATH",
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         check_vllm_router()
     spec = workload_of(args)
     w = build(spec)
-    model = fleet_model(args.model_size or ("small" if args.quick else "medium"))
+    model = fleet_model(args.model_size or "small")
     tolerance = LOGPROB_TOLERANCE[model.dtype]
     plan = [Phase("start-up", 120), Phase("calibrate", 30), Phase("references", 2.0 * len(w.unique_prompts())),
             Phase("runs", 30, rounds=rounds * len(routers))]
