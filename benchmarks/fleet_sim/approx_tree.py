@@ -6,7 +6,7 @@ the workers ("tenants" in its code) whose requests passed through it. A prefix m
 request's text as deep as any worker's text goes and answers that depth and one worker at the
 deepest node: the one that created the node (its cached ``last_tenant``), so a popular prefix
 stays with the worker that first received it. Every ``eviction_interval`` (120 s) a worker whose
-text exceeds ``max_tree_size`` characters (2^26) loses least recently used leaves.
+text exceeds ``max_tree_size`` characters (2^25 in 0.1.17) loses least recently used leaves.
 
 What the tree knows is what the router sent where, never what an engine holds: an engine that
 evicted a prefix still matches, and two tenants' identical private text matches across tenants
@@ -15,7 +15,7 @@ evicted a prefix still matches, and two tenants' identical private text matches 
 Here a tree node is a 512-token block of content (``SimRequest.content``: the partial last block
 included, no scope), text length is ``CHARS_PER_TOKEN`` characters a token, and a worker's blocks
 age together by the last time a prompt through them was inserted (the tree updates the leaf's
-time; this ages a whole path at once, which only matters past 2^26 characters a worker).
+time; this ages a whole path at once, which only matters past 2^25 characters a worker).
 """
 
 from __future__ import annotations

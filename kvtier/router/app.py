@@ -218,12 +218,13 @@ class Router:
         assert self._watch is not None and self._proxy is not None
         tried: list[str] = []
         failures: list[str] = []
-        for _ in range(self.settings.max_attempts):
+        for attempt in range(self.settings.max_attempts):
             up = [e for e in self._watch.up_engines() if e.name not in tried]
             if not up:
                 break
             now = time.monotonic()
-            choice = self.chooser.choose(self._candidates(up, located, now))
+            # The request's arrival counts once in the chooser's rate (a retry is not a new one).
+            choice = self.chooser.choose(self._candidates(up, located, now), now if attempt == 0 else None)
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
             self.metrics.routed.labels(engine.name, choice.reason).inc()

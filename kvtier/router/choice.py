@@ -7,7 +7,18 @@ An engine whose daemon did not answer is priced at a full recompute (its connect
 anything there); with no answer from any daemon, every engine is priced alike and the queue and
 the load decide.
 
-Engines whose prediction lies within the edge of the best (``edge_s``, or ``edge_rel`` of the best
+An engine's cost is its prediction plus the wait its work adds for the requests expected to
+reach it before that first token::
+
+    cost = predicted + service x rate x predicted
+
+with ``rate`` the arrivals per second per engine over the last ``RATE_WINDOW_S`` (this request
+included; the caller gives the arrival times). Without it a request that finds its prefix on a
+busy engine recomputes it on an idle one whenever that is faster for itself; at high load those
+recomputations use up the capacity every later request needs. The term vanishes as the rate goes
+to 0, and a caller that gives no time (``now=None``) decides on the prediction alone.
+
+Engines whose cost lies within the edge of the best (``edge_s``, or ``edge_rel`` of the best
 when that is larger) are tied: the cache gives none of them an edge worth having, and the least
 loaded of them wins, then the next in a rotation. The reason says which rule decided:
 
@@ -15,14 +26,20 @@ loaded of them wins, then the next in a rotation. The reason says which rule dec
                (its node holds more of the prefix, or in a cheaper tier)
     queue      one engine alone was best, by a shorter queue
     balanced   several were tied; the load (then the rotation) chose
+
+The fleet simulator's ``kvtier`` policy (benchmarks/fleet_sim/policies/kvtier.py) decides with
+this same class, so the simulated figures are those of this rule.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 CACHE, QUEUE, BALANCED = "cache", "queue", "balanced"
+#: Seconds of arrivals the rate estimate covers.
+RATE_WINDOW_S = 30.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,17 +73,32 @@ class Choice:
 
 
 class Chooser:
-    """Applies the rule of the module docstring. Holds only the rotation's position."""
+    """Applies the rule of the module docstring. Holds the rotation's position and the arrival
+    times of the last ``window_s``."""
 
-    def __init__(self, edge: Edge) -> None:
+    def __init__(self, edge: Edge, window_s: float = RATE_WINDOW_S) -> None:
+        assert window_s > 0
         self.edge = edge
+        self.window_s = window_s
         self._turn = 0
+        self._arrivals: deque[float] = deque()
 
-    def choose(self, candidates: Sequence[Candidate]) -> Choice:
+    def rate_per_engine(self, now: float, engines: int) -> float:
+        """Record an arrival at ``now`` (non-decreasing); arrivals per second per engine over the
+        window, this one included."""
+        arr = self._arrivals
+        arr.append(now)
+        while arr[0] < now - self.window_s:
+            arr.popleft()
+        return len(arr) / self.window_s / max(1, engines)
+
+    def choose(self, candidates: Sequence[Candidate], now: float | None = None) -> Choice:
         assert candidates, "no candidate"
-        best = min(c.predicted_s for c in candidates)
+        rate = 0.0 if now is None else self.rate_per_engine(now, len(candidates))
+        cost = [c.predicted_s * (1.0 + c.service_s * rate) for c in candidates]
+        best = min(cost)
         margin = max(self.edge.edge_s, self.edge.edge_rel * best)
-        tied = [c for c in candidates if c.predicted_s <= best + margin]
+        tied = [c for c, k in zip(candidates, cost, strict=True) if k <= best + margin]
         if len(tied) == 1:
             c = tied[0]
             others = [o.service_s for o in candidates if o is not c]

@@ -27,13 +27,14 @@ from benchmarks.fleet_sim.requests import SimRequest
 
 @dataclass(slots=True, frozen=True)
 class CacheAwareConfig:
-    """vllm-router 0.1.x command-line defaults (src/main.rs)."""
+    """vllm-router 0.1.17's command-line defaults, as its ``--help`` prints them (the pinned
+    .venv-vllmrouter: ``--max-tree-size`` 33554432 characters a worker)."""
 
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     eviction_interval_s: float = 120.0
-    max_tree_size: int = 1 << 26
+    max_tree_size: int = 1 << 25
 
 
 @register

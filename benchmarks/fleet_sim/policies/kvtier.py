@@ -1,25 +1,28 @@
-"""``kvtier``: the lowest predicted time to first token (issue 30 parts 2 and 3).
+"""``kvtier``: the lowest predicted time to first token (issue 30 parts 2 and 3), decided by
+``kvtier route``'s own rule (kvtier/router/choice.py: the same ``Chooser`` object).
 
 Per node ``n``, from what ``Locate`` answers for the request there (each leading block in the
 best tier holding it for that node: the engine's GPU prefix cache, the node's RAM, its disk, or
 the shared S3; the rest computed):
 
-    wait_n     the queue wait the router predicts at n
+    wait_n     the queue wait the router predicts at n (below)
     service_n  the cost model's price of the request on n (``pricing``: the same profiles and the
                same ``split`` search the node itself runs)
-    cost_n     = wait_n + service_n  +  service_n x rate_n x (wait_n + service_n)
+    load_n     the router's requests in flight at n (sent, not finished)
 
-The first two terms are the request's own predicted TTFT. The third is what its work costs the
-requests behind it: the ones expected to reach n before its first token (``rate_n`` x its TTFT,
-with ``rate_n`` the fleet's arrival rate per node over the last ``RATE_WINDOW_S``) each wait
-``service_n`` longer. Without it a request that finds its prefix on a busy node recomputes the
-prefix on an idle one whenever that is faster *for itself*; at high load those recomputations
-use up the capacity every later request needs (the term vanishes as the rate goes to 0). The
-lowest cost wins, ties at random; when the cache gives no node an edge, that is the shortest wait.
+and ``Chooser.choose`` picks: the lowest ``wait + service`` plus the wait its work adds for the
+requests expected behind it (``service x rate x (wait + service)``, ``rate`` the fleet's arrivals
+per second per node over the last 30 s); nodes within the router's edge of the best (1 ms, or 5 %
+of it: ``Edge()``, ``kvtier route``'s ``--edge-ms`` / ``--edge-rel`` defaults) are tied, and the
+least loaded of them wins, then a rotation. So a one-block edge (the shared system prompt) does
+not pull every new conversation onto the nodes that happen to hold it.
 
 Queue wait is the router's own bookkeeping: the predicted service times of the requests it sent
 to the node that have not had their first token yet, less the time the oldest of them has been at
-the head of the queue.
+the head of the queue. This is where the model and ``kvtier route`` differ: its queue model
+(kvtier/router/queue_model.py) prices each request ahead at the engine's measured mean prefill
+and adds the engine's own waiting count; here one router is the only source of requests and
+every prefill's price is known, so the wait is the sum of those prices.
 
 ``Locate`` is asked at decision time (a scatter-gather to the nodes' daemons), so its answer is
 never stale; it costs ``locate_s`` of latency on every request (``decision_delay_s``). A node's
@@ -32,11 +35,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from benchmarks.fleet_sim.policies.base import Choice, Policy, PolicyContext, argmin, register
+from benchmarks.fleet_sim.policies.base import Choice, Policy, PolicyContext, register
 from benchmarks.fleet_sim.requests import SimRequest
-
-#: Seconds of arrivals the router's rate estimate covers.
-RATE_WINDOW_S = 30.0
+from kvtier.router.choice import Candidate, Chooser, Edge
 
 
 @register
@@ -51,32 +52,22 @@ class Kvtier(Policy):
         self._queued_s = [0.0] * n
         self._head_since = [0.0] * n
         self._predicted = [0.0] * n
-        self._arrivals: deque[float] = deque()
+        self.chooser = Chooser(Edge())
+        self._names = [str(i) for i in range(n)]
 
     def wait_s(self, node: int, now: float) -> float:
         if not self._queued[node]:
             return 0.0
         return max(0.0, self._queued_s[node] - max(0.0, now - self._head_since[node]))
 
-    def rate_per_node(self, now: float) -> float:
-        """Arrivals per second per node over the last RATE_WINDOW_S (this request included)."""
-        arr = self._arrivals
-        arr.append(now)
-        while arr[0] < now - RATE_WINDOW_S:
-            arr.popleft()
-        return len(arr) / RATE_WINDOW_S / len(self.view)
-
     def choose(self, req: SimRequest, now: float) -> Choice:
         pricer = self.ctx.pricer
-        rate = self.rate_per_node(now)
         arrive = now + self.decision_delay_s
         service = [pricer.plan(req, tiers).seconds for tiers in self.view.locate(req)]
         self._predicted = service
-        cost = []
-        for i, s in enumerate(service):
-            ttft = self.wait_s(i, arrive) + s
-            cost.append(ttft + s * rate * ttft)
-        node = argmin(cost, self.tiebreak())
+        load = self.view.inflight
+        candidates = [Candidate(self._names[i], self.wait_s(i, arrive), s, load[i]) for i, s in enumerate(service)]
+        node = int(self.chooser.choose(candidates, now).engine)
         return Choice(node, node)
 
     def routed(self, req: SimRequest, node: int, now: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtier.router.choice import BALANCED, CACHE, QUEUE, Candidate, Chooser, Edge
 
 
@@ -34,3 +36,21 @@ def test_ties_go_to_the_least_loaded_then_in_turn() -> None:
 def test_one_candidate_is_chosen_for_its_queue() -> None:
     got = Chooser(Edge()).choose([Candidate("a", 0.2, 0.0, 0)])
     assert (got.engine, got.reason, got.predicted_s) == ("a", QUEUE, 0.2)
+
+
+def test_the_wait_a_request_adds_for_those_behind_it_keeps_it_with_its_cache_at_load() -> None:
+    # a holds the prefix behind a queue; b is idle and would recompute it.
+    cands = [Candidate("a", 0.5, 0.1, 3), Candidate("b", 0.0, 0.55, 0)]
+    assert Chooser(Edge()).choose(cands).engine == "b"  # no arrival times: the prediction alone
+    c = Chooser(Edge(), window_s=30.0)
+    for i in range(59):  # 60 arrivals in 30 s over 2 engines: 1 a second each
+        c.rate_per_engine(i * 0.5, 2)
+    assert c.rate_per_engine(29.5, 2) == pytest.approx(1.0)
+    c2 = Chooser(Edge(), window_s=30.0)
+    for i in range(59):
+        c2.rate_per_engine(i * 0.5, 2)
+    # a: 0.6 x (1 + 0.1 x 1) = 0.66; b: 0.55 x (1 + 0.55 x 1) = 0.8525
+    got = c2.choose(cands, now=29.5)
+    assert (got.engine, got.reason, got.predicted_s) == ("a", CACHE, pytest.approx(0.6))
+    # Arrivals older than the window no longer count: at a low rate b wins again.
+    assert c2.choose(cands, now=1000.0).engine == "b"

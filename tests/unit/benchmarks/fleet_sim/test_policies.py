@@ -36,7 +36,9 @@ def _req(rid: int, content: tuple[int, ...], tokens: int | None = None):
 
 
 def test_defaults_are_the_projects_own():
-    assert CacheAwareConfig() == CacheAwareConfig(0.3, 64, 1.5, 120.0, 1 << 26)  # vllm-router src/main.rs
+    # vllm-router 0.1.17 --help: --cache-threshold 0.3, --balance-abs/rel-threshold 64 / 1.5,
+    # --eviction-interval-secs 120, --max-tree-size 33554432.
+    assert CacheAwareConfig() == CacheAwareConfig(0.3, 64, 1.5, 120.0, 33554432)
     assert (LlmdConfig().gpu_weight, LlmdConfig().cpu_weight, LlmdConfig().other_weight) == (1.0, 0.8, 1.0)
     assert (LlmdConfig().prefix_weight, LlmdConfig().kv_utilization_weight, LlmdConfig().queue_weight) == (2, 1, 1)
     d = DynamoConfig()
@@ -118,3 +120,21 @@ def test_kvtier_prices_each_node_and_waits_its_queue(pricer):
     assert pol.wait_s(1, warm / 2) == pytest.approx(warm / 2)
     pol.first_token(req, 1, warm)
     assert pol.wait_s(1, warm) == 0.0
+
+
+def test_kvtier_decides_with_the_routers_own_rule(pricer):
+    """The simulated policy is ``kvtier route``'s Chooser: nodes within its edge of the best are
+    tied and the least loaded of them wins (a control: without the tie, node 0's one cached block
+    would win)."""
+    from kvtier.router.choice import Chooser
+
+    ctx = _ctx(pricer)
+    pol = Kvtier(ctx)
+    assert type(pol.chooser) is Chooser
+    req = _req(0, tuple(range(1, 41)), 40 * 512 + 50)
+    ctx.view.nodes[0].gpu[req.keys[0]] = None  # node 0 holds the first of 40 blocks: < 5 % cheaper
+    ctx.view.inflight[:] = [2, 1, 3]
+    assert pol.choose(req, 0.0).node == 1
+    assert pol._predicted[0] < pol._predicted[1] == pol._predicted[2]
+    ctx.view.nodes[0].gpu.update(dict.fromkeys(req.keys[:20]))  # half the prefix: a real edge
+    assert pol.choose(req, 1.0).node == 0
