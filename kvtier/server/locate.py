@@ -69,6 +69,9 @@ class LocateQuery:
     model: str = ""
     #: Keys only: tokens after the last key's block that every plan computes (0 counts as 1).
     tail_tokens: int = 0
+    #: Leave out the shared tier's share (``Located.shared`` is None): it costs a probe of the
+    #: remote tier, and a router that prices each node by ``ttft_ms`` does not use it.
+    omit_shared: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -220,7 +223,7 @@ class Locator:
             tiers=tuple(TierShare(t.name, level, lookup.blocks_in(t.name)) for level, t in enumerate(self.store.tiers)),
             runs=tuple(lookup.runs), ttft_ms=chosen.predicted_ms, plan=chosen.name,
             recompute_ms=planned.option("full-recompute").predicted_ms,
-            shared=self._shared(lookup, model, new_tokens),
+            shared=None if query.omit_shared else self._shared(lookup, model, new_tokens),
         )
 
     def _check(self, q: LocateQuery) -> None:

@@ -32,12 +32,13 @@ MAX_MODEL_CHARS = 512
 def query_from_msg(msg: pb.LocateRequest, max_keys: int) -> LocateQuery:
     return LocateQuery(tokens=tuple(msg.token_ids), keys=tuple(check_keys(msg.keys, max_keys)),
                        salt=_text("cache_salt", msg.cache_salt, MAX_SALT_CHARS),
-                       model=_text("model", msg.model, MAX_MODEL_CHARS), tail_tokens=msg.tail_tokens)
+                       model=_text("model", msg.model, MAX_MODEL_CHARS), tail_tokens=msg.tail_tokens,
+                       omit_shared=msg.omit_shared)
 
 
 def query_to_msg(q: LocateQuery) -> pb.LocateRequest:
     return pb.LocateRequest(token_ids=list(q.tokens), keys=list(q.keys), cache_salt=q.salt, model=q.model,
-                            tail_tokens=q.tail_tokens)
+                            tail_tokens=q.tail_tokens, omit_shared=q.omit_shared)
 
 
 def located_to_msg(a: Located) -> pb.LocateResponse:

@@ -186,6 +186,12 @@ def test_the_shared_tier_is_seen_from_every_node_at_its_price(shared_pair) -> No
         # Priced by the cost model: memory beats S3, which beats recomputing 21 tokens at 5 ms each.
         assert na.ttft_ms < nb.ttft_ms < nb.recompute_ms and nb.plan != "full-recompute"
         assert got.best().member.name == "a" and got.shared().blocks == 5
+        # The router's query leaves the shared share out (no probe of S3 for it); the rest is the same.
+        lean = fleet.locate(LocateQuery(tokens=tuple(PROMPT), salt=alice, omit_shared=True))
+        for full, part in zip(got.nodes, lean.nodes, strict=True):
+            assert part.located.shared is None and full.located.shared is not None
+            assert (part.located.tiers, part.located.ttft_ms, part.located.plan) == \
+                (full.located.tiers, full.located.ttft_ms, full.located.plan)
         # Control: the shared copies gone, a still holds the prefix in memory, b finds nothing.
         domain = a.backend.policy.domain(Scope.user("acme/alice"))
         a.store.tier("s3").delete_scope(domain)
