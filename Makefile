@@ -64,7 +64,7 @@ engine-venvs: $(ENGINE_VENVS)
 peer-venvs: .venv-lmcache/.stamp .venv-vllmrouter/.stamp
 
 test: $(STAMP) $(ENGINE_VENVS) .venv-lmcache/.stamp .venv-vllmrouter/.stamp
-	KVTIER_REQUIRE_ENGINES=1 $(VPY) -m pytest -q -p no:cacheprovider tests
+	KVTIER_REQUIRE_ENGINES=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """`kvtier bench fleet` (real engines): the seeded workload, what a request may legitimately find
 cached, and the figures made of a run's answers (the engines themselves run in
-tests/integration/test_fleet_bench.py)."""
+tests/engines/vllm_engine/test_fleet_bench.py)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,10 @@ control beside it (own-history hits beyond the public documents are seen, so a l
 the requests per engine adding up to the workload's. Speed is the bench's to report, not checked
 here. Needs .venv-vllmcpu and .venv-vllmrouter (`make test` builds both); skipped without them
 unless KVTIER_REQUIRE_ENGINES=1 (then a failure).
+
+It lives in the running-engine suite (run inside .venv-vllmcpu, in the background beside the rest
+of `make test`: tests/engines/suite_runs.py), so that its engines never start while another test's
+engines are running; the bench itself runs with the main environment's Python, as a user runs it.
 """
 
 from __future__ import annotations
@@ -16,19 +20,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
+MAIN_PYTHON = os.environ.get("KVTIER_DAEMON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
 NEEDS = (ROOT / ".venv-vllmcpu" / "bin" / "python", ROOT / ".venv-vllmrouter" / "bin" / "vllm-router")
 ROUTERS = {"round_robin", "cache_aware", "kv_aware", "kvtier"}
 KEYS = {"ttft_p50_ms", "ttft_p99_ms", "token_hit_rate", "requests_per_engine", "cross_tenant_hits",
         "identical_outputs"}
 
 
-@pytest.mark.timeout(900)
 def test_quick_fleet_bench_reports_every_router_with_identical_outputs_and_no_cross_tenant_hit(tmp_path) -> None:
     missing = [str(p) for p in NEEDS if not p.exists()]
     if missing:
@@ -37,7 +40,7 @@ def test_quick_fleet_bench_reports_every_router_with_identical_outputs_and_no_cr
             pytest.fail(msg)
         pytest.skip(msg)
     out = tmp_path / "fleet.json"
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "fleet", "--quick", "--json", str(out),
+    proc = subprocess.run([MAIN_PYTHON, "-m", "kvtier.cli", "bench", "fleet", "--quick", "--json", str(out),
                            "--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True,
                           timeout=840, env={**os.environ, "PYTHONPATH": str(ROOT)})
     tail = (proc.stdout + proc.stderr)[-4000:]
