@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks.common import stop_process
 from benchmarks.progress import say
-from benchmarks.vllm_bench import Server, _stop_group, complete, llama_layout, wait_for_saves, wait_ready, write_model
+from benchmarks.vllm_bench import Server, complete, llama_layout, stop_group, wait_for_saves, wait_ready, write_model
 from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.errors import ConfigError, TierUnavailable
 
@@ -346,7 +346,7 @@ class Fleet:
     def close(self) -> None:
         for node in self.nodes.values():
             if node.engine is not None:
-                _stop_group(node.engine.proc)
+                stop_group(node.engine.proc)
             if node.daemon is not None and node.daemon.poll() is None:
                 stop_process(node.daemon)
         if self.s3 is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -26,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.fleet_engines import BT, ROOT, Fleet, free_port
+from benchmarks.vllm_bench import stop_group
 from kvtier.errors import ConfigError, TierUnavailable
 
 ROUTER_PYTHON = ROOT / ".venv-vllmrouter" / "bin" / "python"
@@ -102,16 +102,6 @@ def _wait_health(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, 
         time.sleep(0.25)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 @contextmanager
 def router(fleet: Fleet, name: str, tag: str) -> Iterator[str]:
     """Start router ``name`` (one of ``ROUTERS``) in front of the fleet; yields its URL."""
@@ -133,7 +123,7 @@ def router(fleet: Fleet, name: str, tag: str) -> Iterator[str]:
             deadline = time.monotonic() + 120
             while not ready.exists():
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    _stop(proc)
+                    stop_group(proc)
                     raise TierUnavailable(f"kvtier route did not start: see {log_path}")
                 time.sleep(0.1)
             url = json.loads(ready.read_text())["url"]
@@ -146,7 +136,7 @@ def router(fleet: Fleet, name: str, tag: str) -> Iterator[str]:
             _wait_health(url, proc, f"router {name}", log_path)
             yield url
         finally:
-            _stop(proc)
+            stop_group(proc)
     finally:
         log.close()
 

@@ -178,7 +178,7 @@ def launch_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name:
     stack.callback(log.close)
     progress(f"starting vllm serve ({name})")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    stack.callback(_stop_group, proc)
+    stack.callback(stop_group, proc)
     return Server(proc, f"http://127.0.0.1:{port}", name)
 
 
@@ -199,8 +199,11 @@ def wait_ready(server: Server, workdir: Path, timeout_s: float = 600.0) -> Serve
         time.sleep(1.0)
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started in its own session and everything in its group: SIGTERM (after a
+    SIGCONT, so that a group a fault test froze can act on it), SIGKILL if it lingers past 60 s."""
     if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
@@ -414,8 +417,8 @@ def run(args: argparse.Namespace) -> int:
         base_serve = [run_serve_bench(args.vllm_python, base, model, spec, serve_salt,
                                       work / "serve-bench" / f"vllm-only-c{spec.concurrency}.json")
                       for spec in serve]
-        _stop_group(kv.proc)
-        _stop_group(base.proc)
+        stop_group(kv.proc)
+        stop_group(base.proc)
 
     sched, worker = counters.get("scheduler", {}), counters.get("worker", {})
     same_hits = same_loaded * BLOCK_TOKENS

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, compare
-from benchmarks.vllm_bench import write_model
+from benchmarks.vllm_bench import stop_group, write_model
 from kvtier.engine.models import model_spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,17 +72,6 @@ def _wait_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: 
         assert time.monotonic() < deadline, f"{what} did not start"
         time.sleep(0.1)
     return json.loads(path.read_text())
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGCONT)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 @dataclass
@@ -249,7 +238,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield World(root, first, nodes, router, url, model)
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_group(p)
 
 
 def _holds(world: World, node: str, salt: str, tokens: list[int]) -> int:
