@@ -23,7 +23,7 @@ from kvtier.rpc.wire import check_keys
 from kvtier.server.locate import UINT32_MAX, Located, LocateQuery, SharedShare, TierShare
 from kvtier.store.lookup import TierRun
 
-QUERY_FIELDS = frozenset({"token_ids", "keys", "cache_salt", "model", "tail_tokens"})
+QUERY_FIELDS = frozenset({"token_ids", "keys", "cache_salt", "model", "tail_tokens", "omit_shared"})
 MAX_SALT_CHARS = 4096
 MAX_MODEL_CHARS = 512
 
@@ -112,8 +112,11 @@ def query_from_json(body: Any, max_keys: int) -> LocateQuery:
         salt = ""
     if isinstance(tail, bool) or not isinstance(tail, int):
         raise InvalidRequest(f"tail_tokens: must be an integer, got {tail!r}")
+    omit_shared = body.get("omit_shared", False)
+    if not isinstance(omit_shared, bool):  # the RPC's field, for a router that never reads the shared share
+        raise InvalidRequest(f"omit_shared: must be true or false, got {omit_shared!r}")
     return LocateQuery(tokens=tuple(tokens), keys=tuple(keys), salt=_text("cache_salt", salt, MAX_SALT_CHARS),
-                       model=_text("model", model, MAX_MODEL_CHARS), tail_tokens=tail)
+                       model=_text("model", model, MAX_MODEL_CHARS), tail_tokens=tail, omit_shared=omit_shared)
 
 
 def _text(name: str, v: Any, limit: int) -> str:

@@ -54,6 +54,7 @@ def test_http_bad_input_gets_a_clear_error(node) -> None:
     token = dep.token("fleet", "router", roles=ROUTER)
     ok = {"token_ids": list(range(9))}
     assert http_locate(d, token, ok)[0] == 200  # control: the well-formed request
+    assert http_locate(d, token, {**ok, "omit_shared": True})[0] == 200  # the RPC's field, as JSON
     cases: list[tuple[bytes | dict, int, str]] = [
         ({"token_ids": [1, -2, 3]}, 400, "token_ids[1]: must be an integer in [0, 4294967295], got -2"),
         ({"token_ids": [1, "2"]}, 400, "token_ids[1]: must be an integer"),
@@ -66,6 +67,8 @@ def test_http_bad_input_gets_a_clear_error(node) -> None:
         ({"token_ids": list(range(9)), "cache_salt": "kvs2:acme:alice:" + "0" * 32}, 400,
          "cache_salt: cache salt has an invalid signature"),
         ({"token_ids": list(range(9)), "cache_salt": 7}, 400, "cache_salt: must be a string"),
+        ({"token_ids": list(range(9)), "omit_shared": "yes"}, 400, "omit_shared: must be true or false, got 'yes'"),
+        ({"token_ids": list(range(9)), "omit_shared": 1}, 400, "omit_shared: must be true or false, got 1"),
         ({"keys": ["abc"]}, 400, "keys[0]: must be 112 hex digits"),
         ({}, 400, "token_ids or keys"),
         (b"not json", 400, "the body is not JSON"),
