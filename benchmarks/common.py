@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.progress import say
+from kvtier.errors import TierUnavailable
 
 
 def progress(msg: str) -> None:
@@ -83,3 +87,35 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started in its own session and everything in its group (an engine, a router):
+    SIGTERM (after a SIGCONT, so that a group a fault test froze can act on it), SIGKILL if it
+    lingers past 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Poll ``url`` until it answers 200; TierUnavailable when ``proc`` exits first or the deadline
+    passes (``what`` names it, with where to look)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise TierUnavailable(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass  # not listening yet: keep polling until the deadline
+        if time.monotonic() > deadline:
+            raise TierUnavailable(f"{what} did not answer {url} in {timeout_s:.0f} s")
+        time.sleep(poll_s)

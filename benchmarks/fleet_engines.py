@@ -32,9 +32,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import stop_process
+from benchmarks.common import stop_group, stop_process
 from benchmarks.progress import say
-from benchmarks.vllm_bench import Server, complete, llama_layout, stop_group, wait_for_saves, wait_ready, write_model
+from benchmarks.vllm_bench import Server, complete, llama_layout, wait_for_saves, wait_ready, write_model
 from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.errors import ConfigError, TierUnavailable
 

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks.common import stop_group, wait_healthy
 from benchmarks.fleet_engines import BT, ROOT, Fleet, free_port
-from benchmarks.vllm_bench import stop_group
 from kvtier.errors import ConfigError, TierUnavailable
 
 ROUTER_PYTHON = ROOT / ".venv-vllmrouter" / "bin" / "python"
@@ -86,22 +86,6 @@ def router_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _wait_health(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise TierUnavailable(f"{what} exited with {proc.returncode}: see {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TierUnavailable(f"{what} did not answer /health in {timeout_s:.0f} s: see {log}")
-        time.sleep(0.25)
-
-
 @contextmanager
 def router(fleet: Fleet, name: str, tag: str) -> Iterator[str]:
     """Start router ``name`` (one of ``ROUTERS``) in front of the fleet; yields its URL."""
@@ -133,7 +117,7 @@ def router(fleet: Fleet, name: str, tag: str) -> Iterator[str]:
                                     stderr=subprocess.STDOUT, start_new_session=True)
             url = f"http://127.0.0.1:{port}"
         try:
-            _wait_health(url, proc, f"router {name}", log_path)
+            wait_healthy(url + "/health", proc, f"router {name} (log {log_path})", 120, poll_s=0.25)
             yield url
         finally:
             stop_group(proc)

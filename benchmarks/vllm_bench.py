@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -68,7 +67,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, stop_process
+from benchmarks.common import progress, stop_group, stop_process, wait_healthy
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, combine, compare
 from benchmarks.progress import Phase, Progress
 from kvtier.engine.checkpoint import write_checkpoint
@@ -183,33 +182,9 @@ def launch_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name:
 
 
 def wait_ready(server: Server, workdir: Path, timeout_s: float = 600.0) -> Server:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.proc.poll() is not None:
-            raise TierUnavailable(f"vllm serve ({server.name}) exited with {server.proc.returncode}: "
-                                  f"see {workdir / (server.name + '.log')}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TierUnavailable(f"vllm serve ({server.name}) did not come up in {timeout_s:.0f} s")
-        time.sleep(1.0)
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a process started in its own session and everything in its group: SIGTERM (after a
-    SIGCONT, so that a group a fault test froze can act on it), SIGKILL if it lingers past 60 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGCONT)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    log = workdir / (server.name + ".log")
+    wait_healthy(server.url + "/health", server.proc, f"vllm serve ({server.name}, log {log})", timeout_s)
+    return server
 
 
 def complete(server: Server, tokens: list[int], salt: str | None, max_tokens: int = OUTPUT_TOKENS,

@@ -35,8 +35,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.common import stop_group, wait_healthy
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, compare
-from benchmarks.vllm_bench import stop_group, write_model
+from benchmarks.vllm_bench import write_model
 from kvtier.engine.models import model_spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -167,20 +168,6 @@ def _launch_engine(root: Path, name: str, model: Path, daemon_address: str, toke
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"{what} exited"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{what} did not come up"
-        time.sleep(1.0)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     from benchmarks.localdeploy import LocalDeployment, toml_text
@@ -233,8 +220,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         url = _wait_file(ready, router, "kvtier route")["url"]
         for name, n in nodes.items():
             assert n.engine is not None
-            _wait_http(n.url, n.engine, f"vllm serve {name}")
-        _wait_http(url, router, "kvtier route", timeout_s=60)
+            wait_healthy(n.url + "/health", n.engine, f"vllm serve {name}", 600)
+        wait_healthy(url + "/health", router, "kvtier route", 60)
         yield World(root, first, nodes, router, url, model)
     finally:
         for p in reversed(procs):
