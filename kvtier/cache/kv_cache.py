@@ -189,12 +189,13 @@ class KVCache:
         return block_chain(lay, resolved, self.policy.deriver, after)
 
     # -- reads ------------------------------------------------------------------------------------
-    def lookup(self, principal: Principal, chain: Sequence[ChainBlock]) -> Lookup:
-        """Longest cached prefix of ``chain`` that ``principal`` may read (``AccessGate.lookup``).
+    def lookup(self, principal: Principal, chain: Sequence[ChainBlock], *, local_only: bool = False) -> Lookup:
+        """Longest cached prefix of ``chain`` that ``principal`` may read (``AccessGate.lookup``;
+        ``local_only``: in this node's own tiers).
 
         Hand the result back to ``load`` to read it without a second lookup.
         """
-        return self.gate.lookup(principal, [cb.key for cb in chain]).lookup
+        return self.gate.lookup(principal, [cb.key for cb in chain], local_only=local_only).lookup
 
     def load(
         self,

@@ -75,9 +75,9 @@ class CacheView:
         if not asked:
             return {}
         t0 = time.monotonic()
-        # The router prices each node by its ttft_ms: the shared tier's share (a probe of S3 on
-        # every call) is left out.
-        answer = await self._ask(LocateQuery(tokens=tokens, salt=salt, omit_shared=True), asked)
+        # The router compares nodes: the shared tier serves every one of them alike, so it is not
+        # asked (a probe of S3 would be most of a Locate's time, on every request's path).
+        answer = await self._ask(LocateQuery(tokens=tokens, salt=salt, local_only=True), asked)
         self.metrics.locate_seconds.observe(time.monotonic() - t0)
         self._note(answer)
         return {n.member.name: n.located for n in answer.nodes if n.located is not None}

@@ -113,8 +113,10 @@ class AccessGate:
         """Raise RateLimited while ``p`` is over its missed-read budget (decided before any tier)."""
         self.guard.admit(p)
 
-    def lookup(self, p: Principal, keys: Sequence[BlockKey], *, then_read: bool = False) -> GateLookup:
-        """The longest cached prefix of ``keys`` that ``p`` may read now.
+    def lookup(self, p: Principal, keys: Sequence[BlockKey], *, then_read: bool = False,
+               local_only: bool = False) -> GateLookup:
+        """The longest cached prefix of ``keys`` that ``p`` may read now (``local_only``: in this
+        node's own tiers, TieredStore.lookup).
 
         The prefix ends at the first key ``p`` may not read (counted ``denied``) or whose scope
         is being purged (counted ``purging_miss``); the answer never depends on whether such a
@@ -125,7 +127,7 @@ class AccessGate:
         self.admit(p)
         readable = self.readable(p)
         n = self._usable(keys, readable)
-        lk = self.guard.lookup(keys[:n], readable)
+        lk = self.guard.lookup(keys[:n], readable, local_only=local_only)
         if not then_read:
             self.served(p, lk.length, len(keys))
         return GateLookup(Lookup(lk.runs, len(keys), lk.keys), n)

@@ -162,7 +162,8 @@ class TimingGuard:
         say how long a public prefix it ends, so the minimum-prefix rule cannot be checked."""
         return self.mitigations.min_public_prefix_blocks > 0
 
-    def lookup(self, keys: Sequence[BlockKey], readable: dict[ScopeDomain, Scope]) -> Lookup:
+    def lookup(self, keys: Sequence[BlockKey], readable: dict[ScopeDomain, Scope], *,
+               local_only: bool = False) -> Lookup:
         """``store.lookup`` under the minimum public-prefix rule (N = ``min_public_prefix_blocks``).
 
         A chain that starts with public blocks gets a public-only hit shorter than N hidden.
@@ -184,11 +185,11 @@ class TimingGuard:
                     break
                 public += 1
         if not public:
-            return self.store.lookup(keys)
-        if public < need or self.store.lookup(keys[need - 1 : need]).length == 0:
+            return self.store.lookup(keys, local_only=local_only)
+        if public < need or self.store.lookup(keys[need - 1 : need], local_only=local_only).length == 0:
             self._count("public_probe_hidden", 1)
             return Lookup((), len(keys))
-        lk = self.store.lookup(keys)
+        lk = self.store.lookup(keys, local_only=local_only)
         if lk.length < need:
             # Block N-1 is cached but one before it is not (evicted): the hit would lie in fewer
             # than N public blocks, so it is hidden as well.

@@ -37,13 +37,15 @@ so the keys looked up here are the keys the engine's connector would look up.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
-from kvtier.cache.kv_cache import KVCache
+from kvtier.cache.kv_cache import KVCache, RequestSegment
+from kvtier.cache.prefix_cache import PrefixCache
 from kvtier.cache.scoping import SCOPE_RULES, ScopeRule, scope_rule
 from kvtier.errors import AccessDenied, AuthError, InvalidRequest
-from kvtier.keys import LAYOUT_TAG_BYTES, BlockKey, ScopeKind, key_layout_tag
+from kvtier.keys import LAYOUT_TAG_BYTES, BlockKey, ChainBlock, ScopeKind, Segment, key_layout_tag
 from kvtier.layout import KVLayout
 from kvtier.planning.cost_model import CostModel
 from kvtier.planning.load_decision import engine_choice
@@ -56,6 +58,24 @@ from kvtier.server.tier_costs import MeasuredTiers
 from kvtier.store.lookup import Lookup, TierRun
 
 UINT32_MAX = 0xFFFFFFFF
+
+
+class _OwnTiers:
+    """The daemon's KVCache as a scope rule sees it, with every lookup in the node's own tiers
+    (``LocateQuery.local_only``). Only what a rule's ``scoped_lookup`` calls."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self._cache = cache
+
+    def layout(self, which: KVLayout | str | None = None) -> KVLayout:
+        return self._cache.layout(which)
+
+    def chain(self, principal: Principal, segments: Iterable[RequestSegment | Segment], *,
+              layout: KVLayout | str | None = None, after: ChainBlock | None = None) -> list[ChainBlock]:
+        return self._cache.chain(principal, segments, layout=layout, after=after)
+
+    def lookup(self, principal: Principal, chain: Sequence[ChainBlock]) -> Lookup:
+        return self._cache.lookup(principal, chain, local_only=True)
 
 
 # -- boundary objects -------------------------------------------------------------------------------
@@ -72,6 +92,10 @@ class LocateQuery:
     #: Leave out the shared tier's share (``Located.shared`` is None): it costs a probe of the
     #: remote tier, and a router that prices each node by ``ttft_ms`` does not use it.
     omit_shared: bool = False
+    #: This node's own tiers only: the shared tier is not asked at all (its share is None, and
+    #: the prefix, ``tiers`` and ``ttft_ms`` are the local tiers'). What sets one node apart from
+    #: another (the shared tier serves every node alike) without a remote probe in the answer's time.
+    local_only: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -207,12 +231,13 @@ class Locator:
         self.gate.policy.require_active(p)  # also for a query too short to look up
         if query.keys:
             requested, new_tokens = len(query.keys), max(1, query.tail_tokens)
-            lookup = self.gate.lookup(p, list(query.keys)).lookup
+            lookup = self.gate.lookup(p, list(query.keys), local_only=query.local_only).lookup
         else:
             n = len(query.tokens)
             requested = (n - 1) // bt if n else 0  # the last token is always computed
             new_tokens = max(1, n - requested * bt)
-            lookup = self._scoped_lookup(p, query.tokens, requested) if requested else Lookup.miss(0)
+            lookup = (self._scoped_lookup(p, query.tokens, requested, query.local_only) if requested
+                      else Lookup.miss(0))
         model = CostModel(s.prefill, self.costs.profiles(t.name for t in self.store.tiers),
                           host_to_device=s.host_to_device, front_copies=0)
         planned = model.plan(lookup, new_tokens, layout)
@@ -223,7 +248,7 @@ class Locator:
             tiers=tuple(TierShare(t.name, level, lookup.blocks_in(t.name)) for level, t in enumerate(self.store.tiers)),
             runs=tuple(lookup.runs), ttft_ms=chosen.predicted_ms, plan=chosen.name,
             recompute_ms=planned.option("full-recompute").predicted_ms,
-            shared=None if query.omit_shared else self._shared(lookup, model, new_tokens),
+            shared=None if query.omit_shared or query.local_only else self._shared(lookup, model, new_tokens),
         )
 
     def _check(self, q: LocateQuery) -> None:
@@ -247,11 +272,12 @@ class Locator:
             if key_layout_tag(k) != tag:
                 raise InvalidRequest(f"keys[{i}]: not a key of this node's layout ({s.layout.model_id})")
 
-    def _scoped_lookup(self, p: Principal, tokens: Sequence[int], n_blocks: int) -> Lookup:
+    def _scoped_lookup(self, p: Principal, tokens: Sequence[int], n_blocks: int, local_only: bool) -> Lookup:
         """The engine's keys of the first ``n_blocks`` blocks, scoped by the engines' own rule and
         looked up. Blocks beyond a shorter chain (a principal without a scope of the private kind
         gets the public part alone) are requested all the same: the engine computes them."""
-        found = self.rule.scoped_lookup(self.cache, p, tokens, n_blocks, self.settings.layout)
+        cache = cast(PrefixCache, _OwnTiers(self.cache)) if local_only else self.cache
+        found = self.rule.scoped_lookup(cache, p, tokens, n_blocks, self.settings.layout)
         return replace(found.lookup, requested=n_blocks)
 
     def _chosen(self, plan: Plan) -> PlanOption:

@@ -7,7 +7,8 @@ anything else happens; every mistake is an InvalidRequest that names the field.
 JSON request (``POST /v1/locate``)::
 
     {"token_ids": [int, ...] | "keys": ["<112 hex digits>", ...],
-     "cache_salt": "...", "model": "...", "tail_tokens": int}        # all but one of the first two optional
+     "cache_salt": "...", "model": "...", "tail_tokens": int,
+     "omit_shared": bool, "local_only": bool}                        # all but one of the first two optional
 
 JSON answer: ``located_json`` (docs/operations.md, "Locate").
 """
@@ -23,7 +24,7 @@ from kvtier.rpc.wire import check_keys
 from kvtier.server.locate import UINT32_MAX, Located, LocateQuery, SharedShare, TierShare
 from kvtier.store.lookup import TierRun
 
-QUERY_FIELDS = frozenset({"token_ids", "keys", "cache_salt", "model", "tail_tokens", "omit_shared"})
+QUERY_FIELDS = frozenset({"token_ids", "keys", "cache_salt", "model", "tail_tokens", "omit_shared", "local_only"})
 MAX_SALT_CHARS = 4096
 MAX_MODEL_CHARS = 512
 
@@ -33,12 +34,12 @@ def query_from_msg(msg: pb.LocateRequest, max_keys: int) -> LocateQuery:
     return LocateQuery(tokens=tuple(msg.token_ids), keys=tuple(check_keys(msg.keys, max_keys)),
                        salt=_text("cache_salt", msg.cache_salt, MAX_SALT_CHARS),
                        model=_text("model", msg.model, MAX_MODEL_CHARS), tail_tokens=msg.tail_tokens,
-                       omit_shared=msg.omit_shared)
+                       omit_shared=msg.omit_shared, local_only=msg.local_only)
 
 
 def query_to_msg(q: LocateQuery) -> pb.LocateRequest:
     return pb.LocateRequest(token_ids=list(q.tokens), keys=list(q.keys), cache_salt=q.salt, model=q.model,
-                            tail_tokens=q.tail_tokens, omit_shared=q.omit_shared)
+                            tail_tokens=q.tail_tokens, omit_shared=q.omit_shared, local_only=q.local_only)
 
 
 def located_to_msg(a: Located) -> pb.LocateResponse:
@@ -112,11 +113,14 @@ def query_from_json(body: Any, max_keys: int) -> LocateQuery:
         salt = ""
     if isinstance(tail, bool) or not isinstance(tail, int):
         raise InvalidRequest(f"tail_tokens: must be an integer, got {tail!r}")
-    omit_shared = body.get("omit_shared", False)
-    if not isinstance(omit_shared, bool):  # the RPC's field, for a router that never reads the shared share
-        raise InvalidRequest(f"omit_shared: must be true or false, got {omit_shared!r}")
+    flags = {}
+    for name in ("omit_shared", "local_only"):  # the RPC's fields, for a router
+        flag = body.get(name, False)
+        if not isinstance(flag, bool):
+            raise InvalidRequest(f"{name}: must be true or false, got {flag!r}")
+        flags[name] = flag
     return LocateQuery(tokens=tuple(tokens), keys=tuple(keys), salt=_text("cache_salt", salt, MAX_SALT_CHARS),
-                       model=_text("model", model, MAX_MODEL_CHARS), tail_tokens=tail, omit_shared=omit_shared)
+                       model=_text("model", model, MAX_MODEL_CHARS), tail_tokens=tail, **flags)
 
 
 def _text(name: str, v: Any, limit: int) -> str:

@@ -146,8 +146,9 @@ class TieredStore:
         raise KeyError(name)
 
     # -- lookup / get -----------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey]) -> Lookup:
-        """Longest prefix held across tiers.
+    def lookup(self, keys: Sequence[BlockKey], *, local_only: bool = False) -> Lookup:
+        """Longest prefix held across tiers (``local_only``: this node's own tiers; the remote
+        tier, shared by every node, is not asked).
 
         At each run start the fastest tier holding that position serves the longest run it has
         from there; the next run starts where it stops, and the tier that served the run is not
@@ -159,9 +160,10 @@ class TieredStore:
         runs: list[TierRun] = []
         pos = 0
         ended = -1  # the tier whose run stopped at pos: it does not hold keys[pos], so it is not asked
+        tiers = self.tiers[: self._local] if local_only else self.tiers
         while pos < len(keys):
             rest = keys[pos:]
-            for level, t in enumerate(self.tiers):
+            for level, t in enumerate(tiers):
                 if level == ended:
                     continue
                 n = self._first_contains(rest) if level == 0 else t.contains(rest)

@@ -192,6 +192,19 @@ def test_the_shared_tier_is_seen_from_every_node_at_its_price(shared_pair) -> No
             assert part.located.shared is None and full.located.shared is not None
             assert (part.located.tiers, part.located.ttft_ms, part.located.plan) == \
                 (full.located.tiers, full.located.ttft_ms, full.located.plan)
+        # kvtier route's query: the nodes' own tiers only. a still has the prefix in memory; b,
+        # whose only copy is the shared one, has nothing of its own; S3 is not asked by either.
+        s3 = [d.store.tier("s3") for d in (a, b)]
+        counts = [t.request_counts() for t in s3]
+        own = fleet.locate(LocateQuery(tokens=tuple(PROMPT), salt=alice, local_only=True))
+        na, nb = (n.located for n in own.nodes)
+        assert [t.request_counts() for t in s3] == counts, "a local-only Locate asked the shared tier"
+        assert [(t.tier, t.blocks) for t in na.tiers] == [("memory", 5), ("s3", 0)] and na.shared is None
+        assert (nb.matched_blocks, nb.plan, nb.shared) == (0, "full-recompute", None)
+        assert na.ttft_ms == got.nodes[0].located.ttft_ms
+        # Control: the same query without the flag asks S3 (b's HEADs find the prefix there).
+        fleet.locate(LocateQuery(tokens=tuple(PROMPT), salt=alice, omit_shared=True))
+        assert s3[1].request_counts().get("head", 0) > counts[1].get("head", 0)
         # Control: the shared copies gone, a still holds the prefix in memory, b finds nothing.
         domain = a.backend.policy.domain(Scope.user("acme/alice"))
         a.store.tier("s3").delete_scope(domain)

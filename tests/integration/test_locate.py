@@ -54,7 +54,8 @@ def test_http_bad_input_gets_a_clear_error(node) -> None:
     token = dep.token("fleet", "router", roles=ROUTER)
     ok = {"token_ids": list(range(9))}
     assert http_locate(d, token, ok)[0] == 200  # control: the well-formed request
-    assert http_locate(d, token, {**ok, "omit_shared": True})[0] == 200  # the RPC's field, as JSON
+    assert http_locate(d, token, {**ok, "omit_shared": True})[0] == 200  # the RPC's fields, as JSON
+    assert http_locate(d, token, {**ok, "local_only": True})[0] == 200
     cases: list[tuple[bytes | dict, int, str]] = [
         ({"token_ids": [1, -2, 3]}, 400, "token_ids[1]: must be an integer in [0, 4294967295], got -2"),
         ({"token_ids": [1, "2"]}, 400, "token_ids[1]: must be an integer"),
@@ -69,6 +70,7 @@ def test_http_bad_input_gets_a_clear_error(node) -> None:
         ({"token_ids": list(range(9)), "cache_salt": 7}, 400, "cache_salt: must be a string"),
         ({"token_ids": list(range(9)), "omit_shared": "yes"}, 400, "omit_shared: must be true or false, got 'yes'"),
         ({"token_ids": list(range(9)), "omit_shared": 1}, 400, "omit_shared: must be true or false, got 1"),
+        ({"token_ids": list(range(9)), "local_only": "no"}, 400, "local_only: must be true or false, got 'no'"),
         ({"keys": ["abc"]}, 400, "keys[0]: must be 112 hex digits"),
         ({}, 400, "token_ids or keys"),
         (b"not json", 400, "the body is not JSON"),
