@@ -43,10 +43,26 @@ VLLM_PYTHON = ROOT / ".venv-vllmcpu" / "bin" / "python"
 BT = 32
 MODEL_ID = "fleet-bench-llama"
 NODES = ("a", "b")
-#: vLLM's engine: CPU cache size (GiB, its "GPU" tier) and one core left to the rest.
-ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+#: vLLM's engine: CPU cache size (GiB, its "GPU" tier). Its compute threads are bound to cores
+#: of its own (``engine_cores``).
+ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
               # POST /reset_prefix_cache: every router's run starts from empty engine caches.
               "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def engine_cores(index: int, engines: int, cpus: Sequence[int]) -> str:
+    """The cores engine ``index`` of ``engines`` binds its compute threads to
+    (``VLLM_CPU_OMP_THREADS_BIND``): an equal share of ``cpus`` each, or one core in turn when
+    there are fewer cores than engines. vLLM's own default ("auto") binds every engine on a host
+    to the same cores (it expects one engine per host): two engines would then be one engine's
+    compute, and no router could gain anything by spreading load, which a fleet's engines each
+    with their own accelerator can."""
+    assert 0 <= index < engines and cpus
+    cpus = sorted(cpus)
+    if len(cpus) < engines:
+        return str(cpus[index % len(cpus)])
+    share = len(cpus) // engines
+    return ",".join(str(c) for c in cpus[index * share : (index + 1) * share])
 MAX_MODEL_LEN = 2048
 SERVER_SECRET = b"fleet-bench-server-secret-0123456789"
 
@@ -190,7 +206,9 @@ class Fleet:
                    "kv_load_failure_policy": "recompute"})]
         log = open(self.work / f"engine-{node.name}.log", "wb")  # noqa: SIM115 - closed in close()
         self._logs.append(log)
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **ENGINE_ENV},
+        cores = engine_cores(NODES.index(node.name), len(NODES), sorted(os.sched_getaffinity(0)))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cores}
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return Server(proc, f"http://127.0.0.1:{port}", f"engine-{node.name}")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import tempfile
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fleet_client import OUTPUT_TOKENS, replay, stream_completion
-from benchmarks.fleet_engines import BT, VLLM_PYTHON, Fleet, fleet_model
+from benchmarks.fleet_engines import BT, NODES, VLLM_PYTHON, Fleet, engine_cores, fleet_model
 from benchmarks.fleet_report import RunFigures, report, run_figures
 from benchmarks.fleet_routers import ROUTERS, check_vllm_router, router, router_metrics
 from benchmarks.fleet_workload import Workload, WorkloadSpec, build
@@ -169,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
                        "engines": 2, "output_tokens": OUTPUT_TOKENS, "rounds": rounds, "routers": routers,
                        "workload": spec.as_dict(), "requests_per_run": len(w.requests),
                        "prefill_measured": prefill, "host": platform.node(),
+                       "engine_cores": {n: engine_cores(i, len(NODES), sorted(os.sched_getaffinity(0)))
+                                        for i, n in enumerate(NODES)},
                        "reset_between_runs": "saves settled; the previous run's principals purged on both nodes "
                                              "and the bucket; vLLM prefix caches reset; router restarted; new "
                                              "principals and salts per run; public documents kept"}}
