@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from benchmarks.fleet_sim.events import REMOVED, STORED, KvEvent
 from benchmarks.fleet_sim.pricing import DISK, GPU, RAM, S3, Plan
@@ -101,7 +102,7 @@ class Node:
         self.busy_s = 0.0
 
     # -- what the node holds --------------------------------------------------------------------
-    def kvtier_tier(self, key: int, s3: set[int]) -> int | None:
+    def kvtier_tier(self, key: int, s3: AbstractSet[int]) -> int | None:
         """The best kvtier tier holding ``key`` for this node (its RAM, its disk, the shared S3)."""
         if key in self.ram.keys:
             return RAM
@@ -111,7 +112,7 @@ class Node:
             return S3
         return None
 
-    def tiers_for(self, req: SimRequest, s3: set[int]) -> list[int]:
+    def tiers_for(self, req: SimRequest, s3: AbstractSet[int]) -> list[int]:
         """Where the engine would find each leading block: its GPU cache's leading run, then what
         kvtier's lookup finds (RAM, disk, S3), up to the first block held nowhere."""
         out: list[int] = []
@@ -130,7 +131,7 @@ class Node:
             i += 1
         return out
 
-    def locate(self, req: SimRequest, s3: set[int], *, with_gpu: bool) -> list[int]:
+    def locate(self, req: SimRequest, s3: AbstractSet[int], *, with_gpu: bool) -> list[int]:
         """What kvtier's daemon answers for this node: its engine's GPU prefix cache (known from
         the engine's KV events on loopback) when ``with_gpu``, then its tiers and S3."""
         if with_gpu:

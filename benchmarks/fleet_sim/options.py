@@ -62,8 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the event-fed indexer restarts empty this often (0: never)")
     g.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine metrics scrape interval")
     g.add_argument("--locate-ms", type=float, default=2.0, help="latency kvtier's Locate adds to each request")
-    g.add_argument("--no-locate-gpu", action="store_true",
-                   help="kvtier's Locate does not know the engines' GPU prefix caches")
+    g.add_argument("--locate-gpu", action="store_true",
+                   help="kvtier's Locate also knows each engine's GPU prefix cache (a daemon that reads its engine's "
+                        "KV events: not built; today's daemon knows its own tiers only)")
+    g.add_argument("--locate-s3", action="store_true",
+                   help="kvtier's Locate also counts the shared S3 tier (kvtier route asks local_only: it does not)")
     g.add_argument("--tpot-ms", type=float, default=20.0, help="decode time per output token")
     g.add_argument("--profile", default="h200-llama3-8b", choices=sorted(PROFILES), help="cost-model profiles")
 
@@ -117,7 +120,8 @@ def _config(args: argparse.Namespace, pricer: Pricer) -> SimConfig:
                      disk_blocks=blocks(args.disk_gib), eviction=args.eviction, s3=not args.no_s3,
                      staleness=Staleness(args.event_delay_ms / 1e3, args.event_loss, args.indexer_restart_s),
                      tpot_s=args.tpot_ms / 1e3, metrics_interval_s=args.metrics_interval_ms / 1e3,
-                     locate_s=args.locate_ms / 1e3, locate_gpu=not args.no_locate_gpu, seed=args.seed)
+                     locate_s=args.locate_ms / 1e3, locate_gpu=args.locate_gpu,
+                     locate_s3=args.locate_s3, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
                    "eviction": config.eviction, "s3": config.s3, "event_delay_s": config.staleness.delay_s,
                    "event_loss": config.staleness.loss, "indexer_restart_s": config.staleness.restart_every_s,
                    "metrics_interval_s": config.metrics_interval_s, "locate_s": config.locate_s,
-                   "locate_gpu": config.locate_gpu, "tpot_s": config.tpot_s, "seed": config.seed,
+                   "locate_gpu": config.locate_gpu, "locate_s3": config.locate_s3, "tpot_s": config.tpot_s,
+                   "seed": config.seed,
                    "cost_model": pricer.model.describe()},
         "references": references, "runs": runs, "verdicts": checks,
     })

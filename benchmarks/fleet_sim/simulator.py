@@ -42,8 +42,11 @@ class SimConfig:
     tpot_s: float = 0.02
     metrics_interval_s: float = 0.05
     locate_s: float = 0.002
-    #: Whether kvtier's Locate knows each engine's GPU prefix cache (policies/kvtier.py).
-    locate_gpu: bool = True
+    #: Whether kvtier's Locate knows each engine's GPU prefix cache (policies/kvtier.py); the
+    #: daemon does not today.
+    locate_gpu: bool = False
+    #: Whether it counts the shared S3 tier (kvtier route asks ``local_only``: it does not).
+    locate_s3: bool = False
     #: Leading requests that run but are not counted (cold caches).
     warmup_requests: int = 0
     seed: int = 1
@@ -117,7 +120,8 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
     s3: set[int] = set()
     channel = EventChannel(config.staleness, loss_rng)
     view = FleetView(fleet, s3, channel, block_tokens=workload.block_tokens,
-                     metrics_interval_s=config.metrics_interval_s, locate_gpu=config.locate_gpu)
+                     metrics_interval_s=config.metrics_interval_s, locate_gpu=config.locate_gpu,
+                     locate_s3=config.locate_s3)
     pol = cls(PolicyContext(view, pricer, tie_rng, config.locate_s))
     bt = workload.block_tokens
     warm = config.warmup_requests

@@ -23,13 +23,16 @@ class EngineMetrics:
     kv_usage: float
 
 
+_NOTHING: frozenset[int] = frozenset()
+
+
 class FleetView:
     """The router's view. ``inflight[n]`` counts requests the router sent to node ``n`` that have
     not finished (vllm-router's worker load). Metrics are scraped every ``metrics_interval_s``
     (a decision sees the last scrape)."""
 
     def __init__(self, nodes: list[Node], s3: set[int], channel: EventChannel, *, block_tokens: int,
-                 metrics_interval_s: float, locate_gpu: bool = True) -> None:
+                 metrics_interval_s: float, locate_gpu: bool = False, locate_s3: bool = False) -> None:
         if metrics_interval_s < 0:
             raise ConfigError(f"metrics interval must be >= 0 s, got {metrics_interval_s}")
         self.nodes = nodes
@@ -39,6 +42,7 @@ class FleetView:
         self.inflight = [0] * len(nodes)
         self.metrics_interval_s = metrics_interval_s
         self.locate_gpu = locate_gpu
+        self.locate_s3 = locate_s3
         self._scraped: list[EngineMetrics] = []
         self._next_scrape = 0.0
 
@@ -55,6 +59,7 @@ class FleetView:
         return self._scraped
 
     def locate(self, req: SimRequest) -> list[list[int]]:
-        """Per node, the tier of each leading block kvtier finds for it (GPU when ``locate_gpu``,
-        RAM, disk or S3)."""
-        return [n.locate(req, self.s3, with_gpu=self.locate_gpu) for n in self.nodes]
+        """Per node, the tier of each leading block kvtier finds for it: RAM or disk, and GPU when
+        ``locate_gpu``, S3 when ``locate_s3`` (what ``kvtier route`` sees: RAM and disk)."""
+        s3 = self.s3 if self.locate_s3 else _NOTHING
+        return [n.locate(req, s3, with_gpu=self.locate_gpu) for n in self.nodes]

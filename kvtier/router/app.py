@@ -228,6 +228,8 @@ class Router:
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
             self.metrics.routed.labels(engine.name, choice.reason).inc()
+            if attempt == 0:
+                self.metrics.decision_seconds.observe(now - arrival)
             self.metrics.predicted_ttft.labels(engine.name).observe(choice.predicted_s)
             ticket = self.queue.sent(engine.name, now, streaming=streaming, expected_first_s=choice.predicted_s)
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))

@@ -45,6 +45,9 @@ class RouterMetrics:
                                             "both keep the last membership)", ["outcome"], registry=r)
         self.locate_seconds = Histogram("kvtier_router_locate_seconds", "Time of one fleet Locate",
                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.decision_seconds = Histogram("kvtier_router_decision_seconds", "Time the router adds before a "
+                                          "request leaves for its engine: body, tokens, Locate, choice",
+                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("kvtier_router_ttft_seconds", "Time from the router's arrival to the first chunk "
                               "of a streamed answer", ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
         self.predicted_ttft = Histogram("kvtier_router_predicted_ttft_seconds", "Predicted time to first token "

@@ -195,6 +195,10 @@ def test_a_cached_prefix_goes_to_the_engine_whose_node_holds_it(fleet: Fleet) ->
     batch = complete(f.url, [text_of(PROMPT), text_of(OTHER)], alice)
     assert batch.status == 200 and batch.route == "balanced"
     assert metric(f.url, "kvtier_router_unlocated_total", reason="batch") == 1
+    # What the router adds before a request leaves: one sample per request (no retries here).
+    routed = sum(metric(f.url, "kvtier_router_routed_total", engine=e, reason=r)
+                 for e in "ab" for r in ("cache", "queue", "balanced"))
+    assert routed > 10 and metric(f.url, "kvtier_router_decision_seconds_count") == routed
 
     # Nothing of a prompt or a salt in the router's log (at debug level).
     log = f.router.output()

@@ -132,9 +132,27 @@ def test_kvtier_decides_with_the_routers_own_rule(pricer):
     pol = Kvtier(ctx)
     assert type(pol.chooser) is Chooser
     req = _req(0, tuple(range(1, 41)), 40 * 512 + 50)
-    ctx.view.nodes[0].gpu[req.keys[0]] = None  # node 0 holds the first of 40 blocks: < 5 % cheaper
+    ctx.view.nodes[0].ram.keys.update(req.keys[:1])  # node 0 holds the first of 40 blocks: < 5 % cheaper
     ctx.view.inflight[:] = [2, 1, 3]
     assert pol.choose(req, 0.0).node == 1
     assert pol._predicted[0] < pol._predicted[1] == pol._predicted[2]
-    ctx.view.nodes[0].gpu.update(dict.fromkeys(req.keys[:20]))  # half the prefix: a real edge
+    ctx.view.nodes[0].ram.keys.update(req.keys[:20])  # half the prefix: a real edge
     assert pol.choose(req, 1.0).node == 0
+
+
+def test_kvtier_sees_what_kvtier_routes_locate_sees(pricer):
+    """By default each node's RAM and disk only, as the real router's local_only Locate to a daemon
+    that does not know its engine's GPU cache; the opt-ins see the GPU cache and S3 (controls)."""
+    req = _req(0, tuple(range(1, 11)), 10 * 512 + 50)
+    seen = {}
+    for gpu, s3 in ((False, False), (True, False), (False, True)):
+        nodes = [Node(i, gpu_blocks=100, ram_blocks=100, disk_blocks=100, eviction="lru", block_bytes=1)
+                 for i in range(3)]
+        nodes[0].gpu.update(dict.fromkeys(req.keys))
+        nodes[1].ram.keys.update(req.keys[:4])
+        view = FleetView(nodes, set(req.keys), EventChannel(Staleness(), np.random.default_rng(0)),
+                         block_tokens=512, metrics_interval_s=0.0, locate_gpu=gpu, locate_s3=s3)
+        seen[gpu, s3] = [len(t) for t in view.locate(req)]
+    assert seen[False, False] == [0, 4, 0]
+    assert seen[True, False] == [10, 4, 0]
+    assert seen[False, True] == [10, 10, 10]  # node 0's GPU blocks are unseen; S3 holds them all
