@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-prior-ms", type=float, default=100.0, metavar="MS",
                    help="a queued request's wait before any prefill was measured, without a Locate price "
                         "(default 100)")
+    p.add_argument("--engine-cache-blocks", type=int, default=0, metavar="N",
+                   help="blocks of an engine's own prefix cache until it reports its size (vLLM reports it in "
+                        "vllm:cache_config_info); the router prices the blocks it sent there as held. 0 (default): "
+                        "not estimated for an engine that does not report it")
     p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB", help="largest request body (default 32)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="once listening, write {url, host, port} as JSON to PATH (for scripts and tests)")
@@ -97,12 +101,14 @@ def settings(args: argparse.Namespace) -> RouterSettings:
         raise ConfigError("--queue-prior-ms: must not be negative")
     if not args.max_body_mb > 0:
         raise ConfigError("--max-body-mb: must be positive")
+    if args.engine_cache_blocks < 0:
+        raise ConfigError("--engine-cache-blocks: must not be negative")
     return RouterSettings(poll_s=_ms("poll-ms", args.poll_ms), health_timeout_s=_ms("health-timeout-ms",
                                                                                       args.health_timeout_ms),
                           probe_s=_ms("probe-ms", args.probe_ms),
                           connect_timeout_s=_ms("connect-timeout-ms", args.connect_timeout_ms),
                           max_attempts=args.max_attempts, edge=Edge(args.edge_ms / 1e3, args.edge_rel),
-                          queue_prior_s=args.queue_prior_ms / 1e3,
+                          queue_prior_s=args.queue_prior_ms / 1e3, engine_cache_blocks=args.engine_cache_blocks,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)))
 
 

@@ -39,6 +39,7 @@ from aiohttp import web
 from kvtier.errors import ConfigError
 from kvtier.router.cache_view import CacheView
 from kvtier.router.choice import Candidate, Chooser, Edge
+from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import error_body
@@ -63,6 +64,9 @@ class RouterSettings:
     edge: Edge = field(default_factory=Edge)
     #: Per-request queue wait before any prefill was measured and without a Locate price.
     queue_prior_s: float = 0.1
+    #: Blocks of an engine's own prefix cache until it reports its size (vLLM's
+    #: ``vllm:cache_config_info``); 0: what it holds is not estimated (kvtier/router/engine_cache.py).
+    engine_cache_blocks: int = 0
     max_body_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
@@ -73,6 +77,8 @@ class RouterSettings:
             raise ConfigError("max_attempts: at least 1")
         if self.queue_prior_s < 0:
             raise ConfigError("queue_prior_s: must not be negative")
+        if self.engine_cache_blocks < 0:
+            raise ConfigError("engine_cache_blocks: must not be negative")
 
 
 class Router:
@@ -92,6 +98,7 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
         self.queue = QueueModel(e.name for e in self.engines)
+        self.cached = EngineCacheView((e.name for e in self.engines), settings.engine_cache_blocks)
         self.chooser = Chooser(settings.edge)
         self._session: aiohttp.ClientSession | None = None
         self._watch: EngineWatch | None = None
@@ -102,7 +109,7 @@ class Router:
     async def start(self) -> None:
         s = self.settings
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
-        self._watch = EngineWatch(self.engines, self._session, self.queue, self.metrics, poll_s=s.poll_s,
+        self._watch = EngineWatch(self.engines, self._session, self.queue, self.cached, self.metrics, poll_s=s.poll_s,
                                   timeout_s=s.health_timeout_s)
         # A stream whose engine was taken down ends when no chunk came for as long as the health
         # watch gives an engine to answer a poll, plus one poll interval.
@@ -169,10 +176,14 @@ class Router:
             return self._error(endpoint, 400, f"the body must be a JSON object, got {type(body).__name__}")
         prompt = await asyncio.to_thread(request_prompt, kind, body, self.tokenizer)
         located = await self._locate(prompt)
-        return await self._attempts(request, endpoint, "POST", raw, prompt.streaming, located, arrival)
+        digests: tuple[bytes, ...] = ()
+        if located and prompt.tokens is not None:
+            bt = next(iter(located.values())).block_tokens
+            digests = self.cached.digests(prompt.tokens, prompt.salt, bt) if bt else ()
+        return await self._attempts(request, endpoint, "POST", raw, prompt.streaming, located, arrival, digests)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        return await self._attempts(request, request.path, "GET", b"", False, None, time.monotonic())
+        return await self._attempts(request, request.path, "GET", b"", False, None, time.monotonic(), ())
 
     async def _health(self, request: web.Request) -> web.Response:
         assert self._watch is not None
@@ -197,8 +208,10 @@ class Router:
         return dict(await self.cache.locate(prompt.tokens, prompt.salt))
 
     def _candidates(self, engines: Sequence[EngineSpec], located: dict[str, Located] | None,
-                    now: float) -> list[Candidate]:
-        """Each engine's predicted queue wait and service time (kvtier/router/choice.py)."""
+                    now: float, digests: tuple[bytes, ...]) -> list[Candidate]:
+        """Each engine's predicted queue wait and service time (kvtier/router/choice.py): its node's
+        ``Locate`` price, or, where the engine itself is believed to hold at least what its node
+        holds (kvtier/router/engine_cache.py), the price of computing what it lacks."""
         if located:
             # A node that did not answer serves the request by computing it all.
             fallback = max(a.recompute_ms for a in located.values()) / 1e3
@@ -210,11 +223,16 @@ class Router:
             q = self.queue.predict(e.name, now, prior)
             answer = located.get(e.node) if located else None
             service = answer.ttft_ms / 1e3 if answer is not None else fallback
+            if answer is not None and digests:
+                own = engine_price_ms(answer, self.cached.resident(e.name, digests))
+                if own is not None:
+                    service = min(service, own / 1e3)
             out.append(Candidate(e.name, q.wait_s, service, q.load))
         return out
 
     async def _attempts(self, request: web.Request, endpoint: str, method: str, raw: bytes, streaming: bool,
-                        located: dict[str, Located] | None, arrival: float) -> web.StreamResponse:
+                        located: dict[str, Located] | None, arrival: float,
+                        digests: tuple[bytes, ...]) -> web.StreamResponse:
         assert self._watch is not None and self._proxy is not None
         tried: list[str] = []
         failures: list[str] = []
@@ -224,9 +242,10 @@ class Router:
                 break
             now = time.monotonic()
             # The request's arrival counts once in the chooser's rate (a retry is not a new one).
-            choice = self.chooser.choose(self._candidates(up, located, now), now if attempt == 0 else None)
+            choice = self.chooser.choose(self._candidates(up, located, now, digests), now if attempt == 0 else None)
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
+            self.cached.sent(engine.name, digests)
             self.metrics.routed.labels(engine.name, choice.reason).inc()
             if attempt == 0:
                 self.metrics.decision_seconds.observe(now - arrival)
@@ -270,6 +289,18 @@ class Router:
         outcome = "unavailable" if status == 503 else "bad_request"
         self.metrics.requests.labels(endpoint, outcome).inc()
         return web.json_response(error_body(status, message), status=status)
+
+
+def engine_price_ms(answer: Located, resident: int) -> float | None:
+    """The predicted TTFT at an engine that holds the first ``resident`` requested blocks itself,
+    when that covers everything its node holds (else None: the node's price stands). Between the
+    node's two prices: every block computed (``recompute_ms``) and only the new tokens
+    (``tail_ms``), in proportion to the blocks held."""
+    n = answer.requested_blocks
+    r = min(resident, n)
+    if not r or r < answer.matched_blocks or answer.tail_ms <= 0:
+        return None  # tail_ms 0: a daemon from before the field
+    return answer.recompute_ms - (answer.recompute_ms - answer.tail_ms) * r / n
 
 
 def json_ready(host: str, port: int) -> dict[str, Any]:

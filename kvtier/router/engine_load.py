@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+#: An info gauge whose ``num_gpu_blocks`` label is the size of the engine's own KV cache.
+CACHE_INFO = "vllm:cache_config_info"
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,15 +24,23 @@ class EngineLoad:
     waiting: int = 0
     #: Whether the engine's metrics had the gauges (False: both counts are 0 for lack of news).
     known: bool = False
+    #: Blocks the engine's own prefix cache holds (None: not reported).
+    cache_blocks: int | None = None
 
 
 def parse_vllm_load(text: str) -> EngineLoad:
     """The load in a Prometheus text exposition; ValueError if the text does not parse."""
     found: dict[str, float] = {}
+    blocks: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in (RUNNING, WAITING):
                 found[sample.name] = found.get(sample.name, 0.0) + sample.value
+            elif sample.name == CACHE_INFO and sample.labels.get("num_gpu_blocks", "").isdigit():
+                # One sample per engine core of a data-parallel server: the smallest holds for all.
+                n = int(sample.labels["num_gpu_blocks"])
+                blocks = n if blocks is None else min(blocks, n)
     if not found:
-        return EngineLoad()
-    return EngineLoad(running=round(found.get(RUNNING, 0.0)), waiting=round(found.get(WAITING, 0.0)), known=True)
+        return EngineLoad(cache_blocks=blocks)
+    return EngineLoad(running=round(found.get(RUNNING, 0.0)), waiting=round(found.get(WAITING, 0.0)), known=True,
+                      cache_blocks=blocks)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engine_load import parse_vllm_load
 from kvtier.router.engines import EngineSpec
 from kvtier.router.metrics import RouterMetrics
@@ -44,10 +45,11 @@ class EngineWatch:
     """Health and load of every engine (see the module docstring)."""
 
     def __init__(self, engines: Sequence[EngineSpec], session: aiohttp.ClientSession, queue: QueueModel,
-                 metrics: RouterMetrics, *, poll_s: float, timeout_s: float) -> None:
+                 cached: EngineCacheView, metrics: RouterMetrics, *, poll_s: float, timeout_s: float) -> None:
         self.engines = list(engines)
         self.session = session
         self.queue = queue
+        self.cached = cached
         self.metrics = metrics
         self.poll_s = poll_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -76,6 +78,7 @@ class EngineWatch:
             log.warning("engine %s is down: %s", name, reason)
         s.up, s.reason = False, reason
         s.down.set()
+        self.cached.forget(name)  # it may come back with an empty cache
         self.metrics.engine_up.labels(name).set(0)
 
     def _mark_up(self, name: str) -> None:
@@ -122,4 +125,6 @@ class EngineWatch:
             self.mark_down(e.name, "/metrics is not Prometheus text")
             return
         self.queue.polled(e.name, load, time.monotonic())
+        if load.cache_blocks is not None:
+            self.cached.capacity(e.name, load.cache_blocks)
         self._mark_up(e.name)

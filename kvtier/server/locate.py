@@ -132,6 +132,10 @@ class Located:
     plan: str
     recompute_ms: float
     shared: SharedShare | None
+    #: Predicted TTFT when the engine itself already holds the requested blocks (its own prefix
+    #: cache, which no daemon sees): the new tokens alone computed, after that context. What a
+    #: router that knows what it sent there prices such an engine at (kvtier/router/engine_cache.py).
+    tail_ms: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -248,6 +252,7 @@ class Locator:
             tiers=tuple(TierShare(t.name, level, lookup.blocks_in(t.name)) for level, t in enumerate(self.store.tiers)),
             runs=tuple(lookup.runs), ttft_ms=chosen.predicted_ms, plan=chosen.name,
             recompute_ms=planned.option("full-recompute").predicted_ms,
+            tail_ms=float(s.prefill.predict(new_tokens, requested * bt)) * 1e3,
             shared=None if query.omit_shared or query.local_only else self._shared(lookup, model, new_tokens),
         )
 

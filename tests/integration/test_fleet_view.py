@@ -202,6 +202,8 @@ def test_the_shared_tier_is_seen_from_every_node_at_its_price(shared_pair) -> No
         assert [(t.tier, t.blocks) for t in na.tiers] == [("memory", 5), ("s3", 0)] and na.shared is None
         assert (nb.matched_blocks, nb.plan, nb.shared) == (0, "full-recompute", None)
         assert na.ttft_ms == got.nodes[0].located.ttft_ms
+        # The price were the engine itself to hold the prefix: the last token alone, on every node.
+        assert 0 < na.tail_ms == nb.tail_ms < na.ttft_ms < nb.recompute_ms
         # Control: the same query without the flag asks S3 (b's HEADs find the prefix there).
         fleet.locate(LocateQuery(tokens=tuple(PROMPT), salt=alice, omit_shared=True))
         assert s3[1].request_counts().get("head", 0) > counts[1].get("head", 0)

@@ -31,3 +31,13 @@ def test_a_server_without_them_reports_unknown() -> None:
 def test_text_that_is_not_prometheus_is_an_error() -> None:
     with pytest.raises(ValueError):
         parse_vllm_load("vllm:num_requests_running{ 3\n")
+
+
+def test_the_engines_own_cache_size_comes_from_its_cache_info() -> None:
+    info = ('# TYPE vllm:cache_config_info gauge\n'
+            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="2048"} 1.0\n'
+            'vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="1024"} 1.0\n')
+    assert parse_vllm_load(VLLM + info) == EngineLoad(running=3, waiting=4, known=True, cache_blocks=1024)
+    assert parse_vllm_load(VLLM).cache_blocks is None
+    # Before the engine sized its cache vLLM writes "None": not a size.
+    assert parse_vllm_load('vllm:cache_config_info{num_gpu_blocks="None"} 1.0\n').cache_blocks is None
