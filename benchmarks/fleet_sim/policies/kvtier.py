@@ -24,6 +24,11 @@ the head of the queue. This is where the model and ``kvtier route`` differ: its 
 and adds the engine's own waiting count; here one router is the only source of requests and
 every prefill's price is known, so the wait is the sum of those prices.
 
+What the router itself sent to each node prices the node's GPU prefix cache, as ``kvtier
+route`` does (kvtier/router/engine_cache.py): per node, the keys of the requests sent there, least
+recently sent first out beyond the node's GPU capacity; a node believed to hold at least the
+blocks its kvtier tiers hold is priced with those blocks in its GPU cache.
+
 ``Locate`` is asked at decision time (a scatter-gather to the nodes' daemons), so its answer is
 never stale; it costs ``locate_s`` of latency on every request (``decision_delay_s``). A node's
 daemon knows its engine's GPU prefix cache from the engine's own KV events on loopback (the
@@ -33,9 +38,10 @@ daemon that does not know it (such blocks look like their RAM or disk copies, or
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from benchmarks.fleet_sim.policies.base import Choice, Policy, PolicyContext, register
+from benchmarks.fleet_sim.pricing import GPU
 from benchmarks.fleet_sim.requests import SimRequest
 from kvtier.router.choice import Candidate, Chooser, Edge
 
@@ -54,6 +60,7 @@ class Kvtier(Policy):
         self._predicted = [0.0] * n
         self.chooser = Chooser(Edge())
         self._names = [str(i) for i in range(n)]
+        self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
 
     def wait_s(self, node: int, now: float) -> float:
         if not self._queued[node]:
@@ -63,14 +70,34 @@ class Kvtier(Policy):
     def choose(self, req: SimRequest, now: float) -> Choice:
         pricer = self.ctx.pricer
         arrive = now + self.decision_delay_s
-        service = [pricer.plan(req, tiers).seconds for tiers in self.view.locate(req)]
+        service = []
+        for i, tiers in enumerate(self.view.locate(req)):
+            held = self._resident(i, req.keys)
+            if held and held >= len(tiers) and not self.view.locate_gpu:
+                tiers = [GPU] * held
+            service.append(pricer.plan(req, tiers).seconds)
         self._predicted = service
         load = self.view.inflight
         candidates = [Candidate(self._names[i], self.wait_s(i, arrive), s, load[i]) for i, s in enumerate(service)]
         node = int(self.chooser.choose(candidates, now).engine)
         return Choice(node, node)
 
+    def _resident(self, node: int, keys: tuple[int, ...]) -> int:
+        sent = self._sent[node]
+        n = 0
+        for k in keys:
+            if k not in sent:
+                break
+            n += 1
+        return n
+
     def routed(self, req: SimRequest, node: int, now: float) -> None:
+        sent = self._sent[node]
+        for k in req.keys:
+            sent[k] = None
+            sent.move_to_end(k)
+        while len(sent) > self.view.nodes[node].gpu_capacity:
+            sent.popitem(last=False)
         q = self._queued[node]
         if not q:
             self._head_since[node] = now + self.decision_delay_s

@@ -156,3 +156,26 @@ def test_kvtier_sees_what_kvtier_routes_locate_sees(pricer):
     assert seen[False, False] == [0, 4, 0]
     assert seen[True, False] == [10, 4, 0]
     assert seen[False, True] == [10, 10, 10]  # node 0's GPU blocks are unseen; S3 holds them all
+
+
+def test_kvtier_prices_the_gpu_cache_by_what_it_sent_there(pricer):
+    """As kvtier route does (kvtier/router/engine_cache.py): the node it sent a prefix to is priced
+    with that prefix in its GPU cache, though no Locate reports it; beyond the node's GPU capacity
+    the least recently sent keys are forgotten (control)."""
+    ctx = _ctx(pricer)
+    pol = Kvtier(ctx)
+    req = _req(0, tuple(range(1, 21)), 20 * 512 + 50)
+    cold = pricer.plan(req, []).seconds
+    pol.choose(req, 0.0)
+    assert pol._predicted == [cold, cold, cold]
+    pol.routed(req, 2, 0.0)
+    pol.first_token(req, 2, cold)
+    again = _req(1, req.content, req.input_tokens)
+    assert pol.choose(again, 100.0).node == 2
+    assert pol._predicted[2] == pricer.plan(again, [GPU] * 20).seconds < cold
+    pol.routed(again, 2, 100.0)
+    pol.first_token(again, 2, 100.0)
+    other = _req(2, tuple(range(1000, 1100)), 100 * 512)  # 100 blocks through a 100-block cache
+    pol.routed(other, 2, 200.0)
+    pol.choose(again, 300.0)
+    assert pol._predicted[2] == cold
