@@ -245,7 +245,6 @@ class Router:
             choice = self.chooser.choose(self._candidates(up, located, now, digests), now if attempt == 0 else None)
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
-            self.cached.sent(engine.name, digests)
             self.metrics.routed.labels(engine.name, choice.reason).inc()
             if attempt == 0:
                 self.metrics.decision_seconds.observe(now - arrival)
@@ -255,6 +254,7 @@ class Router:
 
             def first_byte(ticket=ticket, engine=engine) -> None:
                 t = time.monotonic()
+                self.cached.computed(engine.name, digests)
                 if self.queue.first_byte(ticket, t) is not None:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
                 if streaming:

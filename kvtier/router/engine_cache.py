@@ -1,28 +1,31 @@
 """What the router believes each engine holds in its own prefix cache (vLLM's, on its GPU).
 
 ``Locate`` answers for a node's kvtier tiers; the engine's own cache, the fastest tier of all, is
-the engine's and no daemon sees it. The router knows what it sent where: a prompt sent to an
-engine leaves its full blocks in that engine's cache (a later request queued behind it finds them
-computed) until the engine evicts them, least recently used first, when its cache is full. This
-view keeps, per engine, the chain digests of the blocks of the prompts sent there, least recently
-used first out beyond the engine's capacity (``vllm:cache_config_info``'s ``num_gpu_blocks``, or
-``default_blocks`` until an engine reports it).
+the engine's and no daemon sees it. The router knows what it sent where: a prompt whose first token
+came from an engine left its full blocks in that engine's cache, until the engine evicts them,
+least recently used first, when its cache is full. This view keeps, per engine, the chain digests
+of the blocks of those prompts, least recently used first out beyond the engine's capacity
+(``vllm:cache_config_info``'s ``num_gpu_blocks``, or ``default_blocks`` until an engine reports
+it). A prompt still queued there is not counted: pricing it as cached would pile a conversation's
+next turns onto an engine that has not computed its last (the fleet simulator showed that under
+load, benchmarks/fleet_sim/policies/kvtier.py).
 
 A digest chains the block's tokens onto its parent's under the request's ``cache_salt``, as vLLM's
 own block hashes do (its prefix cache shares a block only between requests with the same salt), so
-a request can only match what requests with its own salt left: never another tenant's prefix.
-The digests are keyed with a random key drawn at start, so the view holds neither prompts nor
-salts, nor anything that could be matched against them outside this process.
+a request can only match what requests with its own salt left: never another tenant's prefix. The
+digests are keyed with a random key drawn at start, so the view holds neither prompts nor salts,
+nor anything that could be matched against them outside this process.
 
-It is an estimate: blocks evicted by requests from other routers, or dropped by an engine reset
-the router did not see, still count here. Its only use is to price a request's leading blocks as
+It is an estimate: blocks evicted by requests from other routers, or dropped by an engine reset the
+router did not see, still count here. Its only use is to price a request's leading blocks as
 already computed at that engine (kvtier/router/app.py); when it is wrong the engine reloads them
-from its daemon or computes them, and nothing else changes. An engine taken down is forgotten
-(it may come back empty).
+from its daemon or computes them, and nothing else changes. An engine taken down is forgotten (it
+may come back empty).
 
 Protocol: ``digests(tokens, salt, block_tokens)`` per request -> ``resident(engine, digests)`` per
-engine -> ``sent(engine, digests)`` for the engine chosen; ``capacity(engine, blocks)`` whenever an
-engine reports its size; ``forget(engine)`` when it goes down. Event-loop only (not thread-safe).
+engine -> ``computed(engine, digests)`` when the chosen engine's first token comes;
+``capacity(engine, blocks)`` whenever an engine reports its size; ``forget(engine)`` when it goes
+down. Event-loop only (not thread-safe).
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ class EngineCacheView:
             n += 1
         return n
 
-    def sent(self, engine: str, digests: Sequence[bytes]) -> None:
-        """The request went to ``engine``: its blocks are the most recently used there."""
+    def computed(self, engine: str, digests: Sequence[bytes]) -> None:
+        """``engine`` computed the request's prompt: its blocks are the most recently used there."""
         held = self._held[engine]
         for d in digests:
             held[d] = None

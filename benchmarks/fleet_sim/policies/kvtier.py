@@ -25,8 +25,8 @@ and adds the engine's own waiting count; here one router is the only source of r
 every prefill's price is known, so the wait is the sum of those prices.
 
 What the router itself sent to each node prices the node's GPU prefix cache, as ``kvtier
-route`` does (kvtier/router/engine_cache.py): per node, the keys of the requests sent there, least
-recently sent first out beyond the node's GPU capacity; a node believed to hold at least the
+route`` does (kvtier/router/engine_cache.py): per node, the keys of the requests that had their
+first token there, least recently first out beyond the node's GPU capacity; a node believed to hold at least the
 blocks its kvtier tiers hold is priced with those blocks in its GPU cache.
 
 ``Locate`` is asked at decision time (a scatter-gather to the nodes' daemons), so its answer is
@@ -92,12 +92,6 @@ class Kvtier(Policy):
         return n
 
     def routed(self, req: SimRequest, node: int, now: float) -> None:
-        sent = self._sent[node]
-        for k in req.keys:
-            sent[k] = None
-            sent.move_to_end(k)
-        while len(sent) > self.view.nodes[node].gpu_capacity:
-            sent.popitem(last=False)
         q = self._queued[node]
         if not q:
             self._head_since[node] = now + self.decision_delay_s
@@ -105,6 +99,14 @@ class Kvtier(Policy):
         self._queued_s[node] += self._predicted[node]
 
     def first_token(self, req: SimRequest, node: int, now: float) -> None:
+        # Its blocks are computed there now (a request still queued is no cache: pricing it as one
+        # piles a conversation's next turns onto a node that has not computed its last).
+        sent = self._sent[node]
+        for k in req.keys:
+            sent[k] = None
+            sent.move_to_end(k)
+        while len(sent) > self.view.nodes[node].gpu_capacity:
+            sent.popitem(last=False)
         q = self._queued[node]
         rid, predicted = q.popleft()
         assert rid == req.rid, "a node serves its queue first come, first served"

@@ -11,35 +11,35 @@ BT = 4
 PROMPT = list(range(100, 100 + 5 * BT + 2))  # 5 full blocks and 2 tokens
 
 
-def test_a_prompt_sent_to_an_engine_is_resident_there_only_and_for_its_salt_only() -> None:
+def test_a_prompt_an_engine_computed_is_resident_there_only_and_for_its_salt_only() -> None:
     view = EngineCacheView(["a", "b"], default_blocks=100)
     d = view.digests(PROMPT, "salt-1", BT)
     assert len(d) == 5 and len(set(d)) == 5
     assert view.resident("a", d) == 0
-    view.sent("a", d)
+    view.computed("a", d)
     assert (view.resident("a", d), view.resident("b", d)) == (5, 0)
     # The same tokens under another salt (another principal) share nothing, as in vLLM's own cache.
     assert view.resident("a", view.digests(PROMPT, "salt-2", BT)) == 0
     assert view.resident("a", view.digests(PROMPT, "", BT)) == 0
     # A continuation shares the prefix; a prompt that differs in its second block, the first block only.
     assert view.resident("a", view.digests(PROMPT + list(range(9)), "salt-1", BT)) == 5
-    other = PROMPT[:BT] + [7] + PROMPT[BT + 1 :]
+    other = [*PROMPT[:BT], 7, *PROMPT[BT + 1 :]]
     assert view.resident("a", view.digests(other, "salt-1", BT)) == 1
     # Digests are keyed per process: another view derives others from the same prompt and salt.
     assert EngineCacheView(["a"], 1).digests(PROMPT, "salt-1", BT) != d
 
 
-def test_least_recently_sent_blocks_leave_first_and_a_gap_ends_the_prefix() -> None:
+def test_least_recently_used_blocks_leave_first_and_a_gap_ends_the_prefix() -> None:
     view = EngineCacheView(["a"], default_blocks=6)
     one = view.digests(PROMPT, "s", BT)
     two = view.digests([9] * (3 * BT), "s", BT)
-    view.sent("a", one)
-    view.sent("a", two)  # 8 blocks for 6: one's first two leave
+    view.computed("a", one)
+    view.computed("a", two)  # 8 blocks for 6: one's first two leave
     assert view.size("a") == 6 and view.resident("a", two) == 3
     assert view.resident("a", one) == 0, "its first block left, so nothing of it is a prefix"
     view.capacity("a", 2)
     assert view.size("a") == 2 and view.resident("a", two) == 0
-    view.sent("a", two[:2])
+    view.computed("a", two[:2])
     assert view.resident("a", two) == 2
     view.forget("a")
     assert view.size("a") == 0 and view.resident("a", two) == 0
@@ -48,7 +48,7 @@ def test_least_recently_sent_blocks_leave_first_and_a_gap_ends_the_prefix() -> N
 def test_no_capacity_means_nothing_is_believed_held() -> None:
     view = EngineCacheView(["a"], default_blocks=0)
     d = view.digests(PROMPT, "s", BT)
-    view.sent("a", d)
+    view.computed("a", d)
     assert view.resident("a", d) == 0
 
 

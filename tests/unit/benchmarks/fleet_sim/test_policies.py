@@ -159,9 +159,9 @@ def test_kvtier_sees_what_kvtier_routes_locate_sees(pricer):
 
 
 def test_kvtier_prices_the_gpu_cache_by_what_it_sent_there(pricer):
-    """As kvtier route does (kvtier/router/engine_cache.py): the node it sent a prefix to is priced
-    with that prefix in its GPU cache, though no Locate reports it; beyond the node's GPU capacity
-    the least recently sent keys are forgotten (control)."""
+    """As kvtier route does (kvtier/router/engine_cache.py): the node that computed a prefix for it
+    is priced with that prefix in its GPU cache, though no Locate reports it; beyond the node's GPU
+    capacity the least recently computed keys are forgotten (control)."""
     ctx = _ctx(pricer)
     pol = Kvtier(ctx)
     req = _req(0, tuple(range(1, 21)), 20 * 512 + 50)
@@ -177,5 +177,8 @@ def test_kvtier_prices_the_gpu_cache_by_what_it_sent_there(pricer):
     pol.first_token(again, 2, 100.0)
     other = _req(2, tuple(range(1000, 1100)), 100 * 512)  # 100 blocks through a 100-block cache
     pol.routed(other, 2, 200.0)
+    pol.choose(again, 250.0)
+    assert pol._predicted[2] < cold, "a request still queued is no cache yet"
+    pol.first_token(other, 2, 260.0)
     pol.choose(again, 300.0)
     assert pol._predicted[2] == cold
