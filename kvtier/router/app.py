@@ -10,7 +10,8 @@ Per request, in order:
 2. its token ids and ``cache_salt`` (kvtier/router/prompts.py), in a worker thread;
 3. ``Locate`` on every node that is up (kvtier/router/cache_view.py), when there are token ids;
 4. each engine that is up is priced: queue wait (kvtier/router/queue_model.py) + the cost of
-   the request on its node; the choice (kvtier/router/choice.py);
+   the request on its node, or of what the engine lacks where it is believed to hold the prefix
+   itself (kvtier/router/engine_cache.py); the choice (kvtier/router/choice.py);
 5. the attempt (kvtier/router/proxy.py); when it fails before a byte was sent, the next choice
    among the engines not yet tried, at most ``max_attempts`` in all;
 6. with no engine left, 503 and the reason each engine gave.
