@@ -49,7 +49,7 @@ class S3Config:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 2.0
     #: How contains() walks a chain: a name from PROBES.
-    probe: str = "window"
+    probe: str = "front"
     delete_batch: int = MAX_DELETE_BATCH
     #: PUT with ``If-None-Match: *`` (AWS S3, SeaweedFS, MinIO, Ceph RGW). False for a store that
     #: lacks it: a HEAD then a PUT, where a concurrent writer of the same key may win (same bytes,

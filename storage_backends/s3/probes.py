@@ -42,6 +42,20 @@ class WindowProbe(ChainProbe):
         return n if miss is None else miss
 
 
+class FrontProbe(ChainProbe):
+    """The first key alone, then waves of ``window`` from the second: the usual miss (a lookup
+    reaches the remote tier where the node's own tiers stopped, most often at blocks nobody has
+    stored yet) costs one HEAD instead of a wave; a hit costs one round trip more than ``window``,
+    before reads that cost far more. A wave of 16 HEADs took 60 ms a lookup on an idle 2-core
+    machine (SeaweedFS), about the whole of a lookup that found nothing."""
+
+    def prefix_length(self, n: int, exists: ExistsFn) -> int:
+        if n == 0 or not exists([0])[0]:
+            return 0
+        miss = self._first_missing(list(range(1, n)), exists)
+        return n if miss is None else miss
+
+
 class BisectProbe(ChainProbe):
     """Gallop + binary search for the boundary, assuming chains are prefix-closed (they are in
     practice: blocks are written front to back), then verify every position below it in
@@ -74,4 +88,4 @@ class BisectProbe(ChainProbe):
         return hi if miss is None else miss
 
 
-PROBES: dict[str, type[ChainProbe]] = {"window": WindowProbe, "bisect": BisectProbe}
+PROBES: dict[str, type[ChainProbe]] = {"front": FrontProbe, "window": WindowProbe, "bisect": BisectProbe}

@@ -58,7 +58,7 @@ def test_object_names_are_prefix_tag_domain_digest(make_s3_tier, raw_s3, s3_serv
     assert tier.namer.parse(f"{s3_prefix}/zz/{'0' * 32}/{'0' * 64}") is None
 
 
-@pytest.mark.parametrize("probe", ["window", "bisect"])
+@pytest.mark.parametrize("probe", ["front", "window", "bisect"])
 def test_contains_stops_at_first_gap_for_every_probe(make_s3_tier, probe: str) -> None:
     tier = make_s3_tier(probe=probe, concurrency=8)
     blocks = chain_blocks(40)
@@ -81,6 +81,27 @@ def test_window_probe_costs_waves_not_round_trips_per_block(make_s3_tier) -> Non
     after = tier.request_counts()
     assert after["probe_rounds"] - before.get("probe_rounds", 0) == 5  # 40 HEADs in 5 concurrent waves
     assert after["head"] - before.get("head", 0) == 40
+
+
+def test_the_default_probe_asks_the_first_key_alone(make_s3_tier) -> None:
+    """A miss (the usual answer where a node's own tiers stopped) costs one HEAD, not a wave; a
+    hit costs one round trip more than the window probe (control: the window probe's miss)."""
+    tier = make_s3_tier(concurrency=8)
+    assert tier.config.probe == "front"
+    blocks = chain_blocks(17)
+    tier.put(blocks)
+    missing = chain_blocks(30, token_base=9000)
+    before = tier.request_counts()
+    assert tier.contains([b.key for b in missing]) == 0
+    after = tier.request_counts()
+    assert (after["head"] - before.get("head", 0), after["probe_rounds"] - before.get("probe_rounds", 0)) == (1, 1)
+    assert tier.contains([b.key for b in blocks]) == 17
+    hit = tier.request_counts()
+    assert (hit["head"] - after["head"], hit["probe_rounds"] - after["probe_rounds"]) == (17, 3)  # 1, 8, 8
+    window = make_s3_tier(probe="window", concurrency=8)
+    before = window.request_counts()
+    assert window.contains([b.key for b in missing]) == 0
+    assert window.request_counts()["head"] - before.get("head", 0) == 8
 
 
 def test_bisect_probe_full_miss_costs_one_head(make_s3_tier) -> None:
