@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 DIGEST_BYTES = 16
 
@@ -48,7 +48,8 @@ class EngineCacheView:
     def __init__(self, engines: Iterable[str], default_blocks: int) -> None:
         assert default_blocks >= 0
         self._key = os.urandom(32)
-        self._held: dict[str, OrderedDict[bytes, None]] = {e: OrderedDict() for e in engines}
+        #: Per engine, its blocks' digests (``digests``; the fleet simulator's own block ids), oldest first.
+        self._held: dict[str, OrderedDict[Hashable, None]] = {e: OrderedDict() for e in engines}
         self._capacity = dict.fromkeys(self._held, default_blocks)
 
     def digests(self, tokens: Sequence[int], salt: str, block_tokens: int) -> tuple[bytes, ...]:
@@ -63,7 +64,7 @@ class EngineCacheView:
             out.append(parent)
         return tuple(out)
 
-    def resident(self, engine: str, digests: Sequence[bytes]) -> int:
+    def resident(self, engine: str, digests: Sequence[Hashable]) -> int:
         """How many leading blocks the engine is believed to hold."""
         held = self._held[engine]
         n = 0
@@ -73,7 +74,7 @@ class EngineCacheView:
             n += 1
         return n
 
-    def computed(self, engine: str, digests: Sequence[bytes]) -> None:
+    def computed(self, engine: str, digests: Sequence[Hashable]) -> None:
         """``engine`` computed the request's prompt: its blocks are the most recently used there."""
         held = self._held[engine]
         for d in digests:

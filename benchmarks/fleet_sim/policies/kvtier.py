@@ -24,8 +24,9 @@ the head of the queue. This is where the model and ``kvtier route`` differ: its 
 and adds the engine's own waiting count; here one router is the only source of requests and
 every prefill's price is known, so the wait is the sum of those prices.
 
-What the router itself sent to each node prices the node's GPU prefix cache, as ``kvtier
-route`` does (kvtier/router/engine_cache.py): per node, the keys of the requests that had their
+What the router itself sent to each node prices the node's GPU prefix cache, with ``kvtier
+route``'s own ``EngineCacheView`` (kvtier/router/engine_cache.py; the simulator's block ids as its
+digests): per node, the keys of the requests that had their
 first token there, least recently first out beyond the node's GPU capacity; a node believed to hold at least the
 blocks its kvtier tiers hold is priced with those blocks in its GPU cache.
 
@@ -38,12 +39,13 @@ daemon that does not know it (such blocks look like their RAM or disk copies, or
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 
 from benchmarks.fleet_sim.policies.base import Choice, Policy, PolicyContext, register
 from benchmarks.fleet_sim.pricing import GPU
 from benchmarks.fleet_sim.requests import SimRequest
 from kvtier.router.choice import Candidate, Chooser, Edge
+from kvtier.router.engine_cache import EngineCacheView
 
 
 @register
@@ -60,7 +62,10 @@ class Kvtier(Policy):
         self._predicted = [0.0] * n
         self.chooser = Chooser(Edge())
         self._names = [str(i) for i in range(n)]
-        self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
+        # kvtier route's own record of what each engine computed, at each node's GPU capacity.
+        self.computed = EngineCacheView(self._names, default_blocks=0)
+        for name, node in zip(self._names, self.view.nodes, strict=True):
+            self.computed.capacity(name, node.gpu_capacity)
 
     def wait_s(self, node: int, now: float) -> float:
         if not self._queued[node]:
@@ -72,7 +77,7 @@ class Kvtier(Policy):
         arrive = now + self.decision_delay_s
         service = []
         for i, tiers in enumerate(self.view.locate(req)):
-            held = self._resident(i, req.keys)
+            held = self.computed.resident(self._names[i], req.keys)
             if held and held >= len(tiers) and not self.view.locate_gpu:
                 tiers = [GPU] * held
             service.append(pricer.plan(req, tiers).seconds)
@@ -81,15 +86,6 @@ class Kvtier(Policy):
         candidates = [Candidate(self._names[i], self.wait_s(i, arrive), s, load[i]) for i, s in enumerate(service)]
         node = int(self.chooser.choose(candidates, now).engine)
         return Choice(node, node)
-
-    def _resident(self, node: int, keys: tuple[int, ...]) -> int:
-        sent = self._sent[node]
-        n = 0
-        for k in keys:
-            if k not in sent:
-                break
-            n += 1
-        return n
 
     def routed(self, req: SimRequest, node: int, now: float) -> None:
         q = self._queued[node]
@@ -101,12 +97,7 @@ class Kvtier(Policy):
     def first_token(self, req: SimRequest, node: int, now: float) -> None:
         # Its blocks are computed there now (a request still queued is no cache: pricing it as one
         # piles a conversation's next turns onto a node that has not computed its last).
-        sent = self._sent[node]
-        for k in req.keys:
-            sent[k] = None
-            sent.move_to_end(k)
-        while len(sent) > self.view.nodes[node].gpu_capacity:
-            sent.popitem(last=False)
+        self.computed.computed(self._names[node], req.keys)
         q = self._queued[node]
         rid, predicted = q.popleft()
         assert rid == req.rid, "a node serves its queue first come, first served"
