@@ -253,9 +253,10 @@ class Router:
             ticket = self.queue.sent(engine.name, now, streaming=streaming, expected_first_s=choice.predicted_s)
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
 
-            def first_byte(ticket=ticket, engine=engine) -> None:
+            def first_byte(status: int, ticket=ticket, engine=engine) -> None:
                 t = time.monotonic()
-                self.cached.computed(engine.name, digests)
+                if status == 200:  # an error answer computed no prompt
+                    self.cached.computed(engine.name, digests)
                 if self.queue.first_byte(ticket, t) is not None:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
                 if streaming:

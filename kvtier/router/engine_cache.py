@@ -47,6 +47,7 @@ class EngineCacheView:
 
     def __init__(self, engines: Iterable[str], default_blocks: int) -> None:
         assert default_blocks >= 0
+        self.default_blocks = default_blocks
         self._key = os.urandom(32)
         #: Per engine, its blocks' digests (``digests``; the fleet simulator's own block ids), oldest first.
         self._held: dict[str, OrderedDict[Hashable, None]] = {e: OrderedDict() for e in engines}

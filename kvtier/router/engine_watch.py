@@ -50,6 +50,7 @@ class EngineWatch:
         self.session = session
         self.queue = queue
         self.cached = cached
+        self._unsized: set[str] = set()  # engines already warned about
         self.metrics = metrics
         self.poll_s = poll_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -127,4 +128,8 @@ class EngineWatch:
         self.queue.polled(e.name, load, time.monotonic())
         if load.cache_blocks is not None:
             self.cached.capacity(e.name, load.cache_blocks)
+        elif e.name not in self._unsized:
+            self._unsized.add(e.name)
+            log.warning("engine %s reports no cache size (vllm:cache_config_info): what it holds itself is "
+                        "estimated at --engine-cache-blocks (%d; 0: not at all)", e.name, self.cached.default_blocks)
         self._mark_up(e.name)

@@ -100,7 +100,7 @@ class Proxy:
 
     async def forward(self, request: web.Request, engine: EngineSpec, *, method: str, path: str, body: bytes,
                       streaming: bool, down: asyncio.Event, route: str,
-                      on_first_byte: Callable[[], None]) -> Outcome:
+                      on_first_byte: Callable[[int], None]) -> Outcome:
         headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
         resp: aiohttp.ClientResponse | None = None
         done = False  # the engine's answer read to its end: its connection may serve the next
@@ -115,7 +115,7 @@ class Proxy:
                     data = await _race(resp.content.read(MAX_ANSWER_BYTES + 1), down)
                     if len(data) > MAX_ANSWER_BYTES:
                         return Outcome(RETRY, reason=f"answer larger than {MAX_ANSWER_BYTES} bytes")
-                    on_first_byte()
+                    on_first_byte(resp.status)
                     done = True
                     out = web.Response(status=resp.status, body=data,
                                        headers=self._headers(resp.headers, engine, route))
@@ -129,7 +129,7 @@ class Proxy:
                 return Outcome(RETRY, reason=f"{type(exc).__name__}: {exc}", engine_down=True)
             if not first:
                 return Outcome(RETRY, reason="the stream ended before its first byte")
-            on_first_byte()
+            on_first_byte(resp.status)
             outcome = await self._stream(request, resp, first, engine, route, down)
             done = outcome.kind == ANSWERED
             return outcome
