@@ -121,6 +121,7 @@ def test_get_mixes_frames_from_memory_with_blocks_from_disk_in_request_order(cli
     blocks = user_chain(alice, 40, seed=3)
     for i in range(0, 40, 8):  # in batches, so the chain's head is what spills to disk
         assert alice.put(blocks[i : i + 8]).stored == [b.key for b in blocks[i : i + 8]]
+    assert daemon.store.flush_spills(timeout_s=10), "the evicted blocks reach LMDB (the spill is asynchronous)"
     usage = {t.name: t.usage().blocks for t in daemon.store.tiers}
     assert usage["memory"] == 32 and usage["lmdb"] >= 8
     got = alice.get_prefix([b.key for b in blocks])
