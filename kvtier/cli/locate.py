@@ -14,10 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+from kvtier.cli.membership import fleet_members
 from kvtier.errors import ConfigError
 from kvtier.plugins import backend
 from kvtier.security.secrets import read_public_file, read_secret_file
-from kvtier.server.fleet_view import FleetView, Member, parse_members, read_members
+from kvtier.server.fleet_view import FleetView, Member
 from kvtier.server.locate import LocateQuery
 
 DEFAULT_DEADLINE_MS = 500.0
@@ -25,8 +26,10 @@ DEFAULT_DEADLINE_MS = 500.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     who = p.add_mutually_exclusive_group(required=True)
-    who.add_argument("--members", metavar="FILE", help="membership file (TOML: [nodes] NAME = \"HOST:PORT\", "
-                                                       "optional deadline_ms)")
+    who.add_argument("--members", metavar="FILE|k8s://NS/SERVICE:PORT",
+                     help="membership file (TOML: [nodes] NAME = \"HOST:PORT\", optional deadline_ms), or a "
+                          "Kubernetes Service's ready endpoints (in-cluster service account; PORT its name or "
+                          "number; each node named after its pod)")
     who.add_argument("--node", action="append", metavar="NAME=HOST:PORT", help="a node (repeatable)")
     tok = p.add_mutually_exclusive_group(required=True)
     tok.add_argument("--token", help="capability token (a router's: `kvtier token --role router ...`)")
@@ -61,11 +64,8 @@ def _token_ids(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    deadline_s = None
-    if args.members:
-        members, deadline_s = read_members(args.members)
-    else:
-        members = parse_members(args.node)
+    told = fleet_members(args.members, args.node)
+    members, deadline_s = list(told.members), told.deadline_s
     if args.deadline_ms is not None:
         if not args.deadline_ms > 0:
             raise ConfigError("--deadline-ms: must be positive")

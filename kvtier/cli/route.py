@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvtier.cli.membership import fleet_members
 from kvtier.errors import ConfigError
 from kvtier.plugins import backend
 from kvtier.router.app import Router, RouterSettings, json_ready
@@ -28,8 +29,7 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompts import PromptTokenizer
 from kvtier.security.secrets import read_public_file, read_secret_file
 from kvtier.server.config import host_port
-from kvtier.server.fleet_view import FleetView, Member, parse_members, read_members
-from kvtier.server.k8s_membership import K8sEndpoints, is_k8s_source
+from kvtier.server.fleet_view import FleetView, Member
 
 DEFAULT_DEADLINE_MS = 300.0
 
@@ -117,18 +117,9 @@ def _fleet(args: argparse.Namespace, metrics: RouterMetrics) -> CacheView | None
         if args.token_file:
             raise ConfigError("--token-file: given without nodes (--node or --members) to ask")
         return None
-    deadline_s = None
-    source = None
     refresh_s = _ms("refresh-ms", args.refresh_ms)
-    if args.members and is_k8s_source(args.members):
-        source = K8sEndpoints.parse(args.members)
-        members = asyncio.run(source.fetch())
-        if not members:
-            raise ConfigError(f"--members {source.source}: the Service has no ready endpoint on that port")
-    elif args.members:
-        members, deadline_s = read_members(args.members)
-    else:
-        members = parse_members(args.node)
+    told = fleet_members(args.members, args.node)
+    members, deadline_s, source = list(told.members), told.deadline_s, told.source
     if args.deadline_ms is not None:
         deadline_s = _ms("deadline-ms", args.deadline_ms)
     if not args.token_file:

@@ -45,7 +45,7 @@ from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import error_body
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.prompts import CHAT, COMPLETIONS, PromptTokenizer, RequestPrompt, request_prompt
+from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
 from kvtier.router.queue_model import QueueModel
 from kvtier.server.locate import Located
@@ -175,7 +175,11 @@ class Router:
             return self._error(endpoint, 400, "the body is not JSON")
         if not isinstance(body, dict):
             return self._error(endpoint, 400, f"the body must be a JSON object, got {type(body).__name__}")
-        prompt = await asyncio.to_thread(request_prompt, kind, body, self.tokenizer)
+        # Token ids need no tokenizer: only a text prompt pays a thread hop (which a busy host
+        # makes cost milliseconds) on its way to Locate.
+        prompt = request_prompt(kind, body, None)
+        if prompt.why == NO_TOKENIZER and self.tokenizer is not None:
+            prompt = await asyncio.to_thread(request_prompt, kind, body, self.tokenizer)
         located = await self._locate(prompt)
         digests: tuple[bytes, ...] = ()
         if located and prompt.tokens is not None:

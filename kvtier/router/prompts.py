@@ -68,8 +68,14 @@ class PromptTokenizer:
         return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+#: ``RequestPrompt.why`` when only a tokenizer could give the token ids.
+NO_TOKENIZER = "no_tokenizer"
+
+
 def request_prompt(kind: str, body: dict[str, Any], tokenizer: PromptTokenizer | None) -> RequestPrompt:
-    """The routing facts of a decoded request body of endpoint ``kind`` (COMPLETIONS or CHAT)."""
+    """The routing facts of a decoded request body of endpoint ``kind`` (COMPLETIONS or CHAT).
+    Without a tokenizer it does no tokenizer work (a caller may try that first, on its event loop,
+    and hand only the text prompts, ``why == NO_TOKENIZER``, to a thread with the tokenizer)."""
     salt = body.get("cache_salt")
     streaming = body.get("stream") is True
     if salt is not None and not isinstance(salt, str):
@@ -108,7 +114,7 @@ def _completion_tokens(body: dict[str, Any], tokenizer: PromptTokenizer | None) 
     if not isinstance(prompt, str):
         raise _Untokenized("bad_prompt")
     if tokenizer is None:
-        raise _Untokenized("no_tokenizer")
+        raise _Untokenized(NO_TOKENIZER)
     special = body.get("add_special_tokens", True)
     if not isinstance(special, bool):
         raise _Untokenized("bad_prompt")
@@ -125,7 +131,7 @@ def _chat_tokens(body: dict[str, Any], tokenizer: PromptTokenizer | None) -> lis
     if body.get("chat_template") is not None:
         raise _Untokenized("request_template")  # the engine decides whether it trusts one
     if tokenizer is None:
-        raise _Untokenized("no_tokenizer")
+        raise _Untokenized(NO_TOKENIZER)
     flat = []
     for m in messages:
         if not isinstance(m, dict):

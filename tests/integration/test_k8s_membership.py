@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvtier.cli.main import main
+from kvtier.cli.membership import FleetMembers, fleet_members
 from kvtier.errors import ConfigError
 from kvtier.router.cache_view import CacheView
 from kvtier.router.metrics import RouterMetrics
@@ -281,8 +282,25 @@ def test_the_router_follows_the_endpoints_and_keeps_them_when_the_api_fails(serv
     assert sorted(closed) == sorted(["vllm-0", "vllm-1", "vllm-0", "vllm-1", "vllm-2", "vllm-1", "vllm-3"])
 
 
-def test_route_outside_a_cluster_says_so(capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("command", [["route", "--engine", "vllm-0=http://127.0.0.1:9"],
+                                     ["locate", "--token", "t", "--token-ids", "1,2"]])
+def test_route_and_locate_outside_a_cluster_say_so(capsys, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    rc = main(["route", "--engine", "vllm-0=http://127.0.0.1:9", "--members", "k8s://kvtier/vllm:grpc"])
+    rc = main([*command, "--members", "k8s://kvtier/vllm:grpc"])
     err = capsys.readouterr().err
     assert rc == 1 and "KUBERNETES_SERVICE_HOST" in err and "Traceback" not in err, err
+
+
+def test_locate_and_route_read_a_services_members_one_way(server: Server) -> None:
+    """kvtier/cli/membership.py, what both commands call: the ready endpoints, and the source kept
+    for a caller that reads it again; a Service with no ready endpoint is a clear error."""
+    server.api.slices = _fleet_slices()
+    told = fleet_members("k8s://kvtier/vllm:grpc", None, api=server.access)
+    assert told.members == (Member("vllm-0", "10.0.0.10:7070"), Member("vllm-1", "10.0.0.11:7070"),
+                            Member("vllm-2", "10.0.0.12:7070"))
+    assert told.source is not None and told.deadline_s is None
+    assert asyncio.run(told.source.fetch()) == list(told.members)
+    with pytest.raises(ConfigError, match="no ready endpoint"):
+        fleet_members("k8s://kvtier/vllm:metrics", None, api=server.access)
+    # Control: a --node list is fixed (no source to read again).
+    assert fleet_members(None, ["a=127.0.0.1:1"]) == FleetMembers((Member("a", "127.0.0.1:1"),))

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.engine.checkpoint import write_tokenizer
 from kvtier.errors import ConfigError
-from kvtier.router.prompts import CHAT, COMPLETIONS, PromptTokenizer, RequestPrompt, request_prompt
+from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 
 TEMPLATE = ("{% for m in messages %}{{ {'system': 't3', 'user': 't4', 'assistant': 't5'}[m['role']] }} "
             "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t5{% endif %}")
@@ -45,7 +45,7 @@ def test_chat_prompts_render_the_template(tok: PromptTokenizer) -> None:
     assert request_prompt(CHAT, {"messages": parts}, tok).tokens == (4, 7, 8, 5)
 
 
-@pytest.mark.parametrize(("kind", "body", "why"), [
+UNTOKENIZED = [
     (COMPLETIONS, {"prompt": ["t1", "t2"]}, "batch"),
     (COMPLETIONS, {"prompt": [[1], [2]]}, "batch"),
     (COMPLETIONS, {"prompt": [1, "x"]}, "bad_prompt"),
@@ -61,11 +61,29 @@ def test_chat_prompts_render_the_template(tok: PromptTokenizer) -> None:
     (CHAT, {"messages": [{"role": "user", "content": "t1"}], "chat_template": "{{ 1 }}"}, "request_template"),
     (CHAT, {"messages": [{"role": "user", "content": "t1"}], "chat_template_kwargs": {"tools": 5}},
      "tokenizer_refused"),
-])
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "why"), UNTOKENIZED)
 def test_what_cannot_be_tokenized_is_routed_by_load_with_a_reason(tok: PromptTokenizer, kind: str, body: dict,
                                                                   why: str) -> None:
     got = request_prompt(kind, body, tok)
     assert got.tokens is None and got.why == why
+
+
+TOKENIZED = [(COMPLETIONS, {"prompt": "t10 t11", "cache_salt": "s", "stream": True}),
+             (COMPLETIONS, {"prompt": [7, 8, 9]}), (COMPLETIONS, {"prompt": ["t11"]}), (COMPLETIONS, {"prompt": [[4]]}),
+             (CHAT, {"messages": [{"role": "user", "content": "t200"}]})]
+
+
+@pytest.mark.parametrize(("kind", "body"), TOKENIZED + [(k, b) for k, b, _ in UNTOKENIZED])
+def test_the_routers_first_pass_without_a_tokenizer_is_final_except_for_text(tok: PromptTokenizer, kind: str,
+                                                                             body: dict) -> None:
+    """kvtier route parses without the tokenizer first (no thread hop for token ids) and tokenizes
+    only what that pass left to a tokenizer: the two passes give what one pass with it gives."""
+    first = request_prompt(kind, body, None)
+    two_pass = request_prompt(kind, body, tok) if first.why == NO_TOKENIZER else first
+    assert two_pass == request_prompt(kind, body, tok)
 
 
 def test_without_a_tokenizer_only_token_ids_are_known() -> None:
