@@ -255,12 +255,13 @@ class Router:
                 self.metrics.decision_seconds.observe(now - arrival)
             self.metrics.predicted_ttft.labels(engine.name).observe(choice.predicted_s)
             ticket = self.queue.sent(engine.name, now, streaming=streaming, expected_first_s=choice.predicted_s)
+            pending = self.cached.sent(engine.name, digests)
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
 
-            def first_byte(status: int, ticket=ticket, engine=engine) -> None:
+            def first_byte(status: int, ticket=ticket, engine=engine, pending=pending) -> None:
                 t = time.monotonic()
                 if status == 200:  # an error answer computed no prompt
-                    self.cached.computed(engine.name, digests)
+                    self.cached.computed(pending)
                 if self.queue.first_byte(ticket, t) is not None:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
                 if streaming:
@@ -272,6 +273,7 @@ class Router:
                     down=self._watch.down_signal(engine.name), route=choice.reason, on_first_byte=first_byte)
             finally:
                 self.queue.done(ticket)
+                self.cached.settled(pending)
                 self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
             if outcome.engine_down:
                 self._watch.mark_down(engine.name, outcome.reason)

@@ -6,9 +6,14 @@ came from an engine left its full blocks in that engine's cache, until the engin
 least recently used first, when its cache is full. This view keeps, per engine, the chain digests
 of the blocks of those prompts, least recently used first out beyond the engine's capacity
 (``vllm:cache_config_info``'s ``num_gpu_blocks``, or ``default_blocks`` until an engine reports
-it). A prompt still queued there is not counted: pricing it as cached would pile a conversation's
-next turns onto an engine that has not computed its last (the fleet simulator showed that under
-load, benchmarks/fleet_sim/policies/kvtier.py).
+it). A prompt sent to an engine and not yet answered counts there too, as pending: an engine
+serves its queue in order, so a request sent after it finds its blocks computed by the time its
+own turn comes (its wait, which the queue model prices, includes that computation). Without
+this, every request for a document still queued somewhere looks like a miss everywhere, and under
+load the fleet computes the same document on several engines at once (the fleet simulator: p99
+8.2 s instead of 0.3 s on its shared-documents workload at 8 nodes, benchmarks/fleet_sim/). A
+pending prompt whose attempt ends without a first token (an error answer, a failed connection)
+is dropped; one that had its first token becomes the most recently used.
 
 A digest chains the block's tokens onto its parent's under the request's ``cache_salt``, as vLLM's
 own block hashes do (its prefix cache shares a block only between requests with the same salt), so
@@ -23,26 +28,39 @@ from its daemon or computes them, and nothing else changes. An engine taken down
 may come back empty).
 
 Protocol: ``digests(tokens, salt, block_tokens)`` per request -> ``resident(engine, digests)`` per
-engine -> ``computed(engine, digests)`` when the chosen engine's first token comes;
-``capacity(engine, blocks)`` whenever an engine reports its size; ``forget(engine)`` when it goes
-down. Event-loop only (not thread-safe).
+engine -> ``sent(engine, digests)`` for the attempt at the chosen engine (a ticket) ->
+``computed(ticket)`` when its first token comes -> ``settled(ticket)`` when the attempt ends, in
+every case; ``capacity(engine, blocks)`` whenever an engine reports its size; ``forget(engine)``
+when it goes down. Event-loop only (not thread-safe).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 DIGEST_BYTES = 16
 
 
-class EngineCacheView:
-    """Per engine, an LRU set of block digests (module docstring).
+@dataclass(slots=True, frozen=True)
+class Pending:
+    """A prompt sent to an engine and not settled yet (``EngineCacheView.sent``)."""
 
-    Invariant: each engine's set holds at most its capacity; a prefix is resident only while every
-    block of it is (vLLM frees a child block before its parent; a gap ends the prefix).
+    id: int
+    engine: str
+
+
+class EngineCacheView:
+    """Per engine, an LRU set of block digests and the digests of its pending prompts (module
+    docstring).
+
+    Invariants: each engine's set holds at most its capacity; a prefix is resident only while every
+    block of it is held or pending (vLLM frees a child block before its parent; a gap ends the
+    prefix); an engine's pending count of a digest is the number of its unsettled tickets with it.
     """
 
     def __init__(self, engines: Iterable[str], default_blocks: int) -> None:
@@ -52,6 +70,9 @@ class EngineCacheView:
         #: Per engine, its blocks' digests (``digests``; the fleet simulator's own block ids), oldest first.
         self._held: dict[str, OrderedDict[Hashable, None]] = {e: OrderedDict() for e in engines}
         self._capacity = dict.fromkeys(self._held, default_blocks)
+        self._pending: dict[str, Counter[Hashable]] = {e: Counter() for e in self._held}
+        self._tickets: dict[int, tuple[str, tuple[Hashable, ...]]] = {}
+        self._ids = itertools.count(1)
 
     def digests(self, tokens: Sequence[int], salt: str, block_tokens: int) -> tuple[bytes, ...]:
         """The chain digests of the prompt's full blocks, under its salt."""
@@ -67,21 +88,52 @@ class EngineCacheView:
 
     def resident(self, engine: str, digests: Sequence[Hashable]) -> int:
         """How many leading blocks the engine is believed to hold."""
-        held = self._held[engine]
+        if not self._capacity[engine]:
+            return 0  # no size known: no estimate
+        held, pending = self._held[engine], self._pending[engine]
         n = 0
         for d in digests:
-            if d not in held:
+            if d not in held and not pending[d]:
                 break
             n += 1
         return n
 
-    def computed(self, engine: str, digests: Sequence[Hashable]) -> None:
-        """``engine`` computed the request's prompt: its blocks are the most recently used there."""
+    def sent(self, engine: str, digests: Sequence[Hashable]) -> Pending:
+        """A prompt was sent to ``engine``: pending there until ``computed`` or ``settled``."""
+        ticket = Pending(next(self._ids), engine)
+        kept = tuple(digests)
+        self._tickets[ticket.id] = (engine, kept)
+        self._pending[engine].update(kept)
+        return ticket
+
+    def computed(self, ticket: Pending) -> None:
+        """The prompt's first token came: its blocks are the most recently used at its engine."""
+        entry = self._settle(ticket)
+        if entry is None:
+            return
+        engine, digests = entry
         held = self._held[engine]
         for d in digests:
             held[d] = None
             held.move_to_end(d)
         self._trim(engine)
+
+    def settled(self, ticket: Pending) -> None:
+        """The attempt ended; a prompt that never had its first token is no longer counted."""
+        self._settle(ticket)
+
+    def _settle(self, ticket: Pending) -> tuple[str, tuple[Hashable, ...]] | None:
+        entry = self._tickets.pop(ticket.id, None)
+        if entry is not None:
+            engine, digests = entry
+            pending = self._pending[engine]
+            for d in digests:
+                left = pending[d] - 1
+                if left:
+                    pending[d] = left
+                else:
+                    del pending[d]
+        return entry
 
     def capacity(self, engine: str, blocks: int) -> None:
         assert blocks >= 0
@@ -89,6 +141,8 @@ class EngineCacheView:
         self._trim(engine)
 
     def forget(self, engine: str) -> None:
+        """The engine went down: what it held is gone (its pending prompts settle as their
+        attempts end)."""
         self._held[engine].clear()
 
     def size(self, engine: str) -> int:

@@ -26,9 +26,11 @@ every prefill's price is known, so the wait is the sum of those prices.
 
 What the router itself sent to each node prices the node's GPU prefix cache, with ``kvtier
 route``'s own ``EngineCacheView`` (kvtier/router/engine_cache.py; the simulator's block ids as its
-digests): per node, the keys of the requests that had their
-first token there, least recently first out beyond the node's GPU capacity; a node believed to hold at least the
-blocks its kvtier tiers hold is priced with those blocks in its GPU cache.
+digests): per node, the keys of the requests that had their first token there, least recently
+first out beyond the node's GPU capacity, and those of the requests routed there and still
+queued (a node serves its queue in order, so they are computed before a request sent now
+starts); a node believed to hold at least the blocks its kvtier tiers hold is priced with those
+blocks in its GPU cache.
 
 ``Locate`` is asked at decision time (a scatter-gather to the nodes' daemons), so its answer is
 never stale; it costs ``locate_s`` of latency on every request (``decision_delay_s``). A node's
@@ -45,7 +47,7 @@ from benchmarks.fleet_sim.policies.base import Choice, Policy, PolicyContext, re
 from benchmarks.fleet_sim.pricing import GPU
 from benchmarks.fleet_sim.requests import SimRequest
 from kvtier.router.choice import Candidate, Chooser, Edge
-from kvtier.router.engine_cache import EngineCacheView
+from kvtier.router.engine_cache import EngineCacheView, Pending
 
 
 @register
@@ -64,6 +66,7 @@ class Kvtier(Policy):
         self._names = [str(i) for i in range(n)]
         # kvtier route's own record of what each engine computed, at each node's GPU capacity.
         self.computed = EngineCacheView(self._names, default_blocks=0)
+        self._pending: dict[int, Pending] = {}
         for name, node in zip(self._names, self.view.nodes, strict=True):
             self.computed.capacity(name, node.gpu_capacity)
 
@@ -88,6 +91,7 @@ class Kvtier(Policy):
         return Choice(node, node)
 
     def routed(self, req: SimRequest, node: int, now: float) -> None:
+        self._pending[req.rid] = self.computed.sent(self._names[node], req.keys)
         q = self._queued[node]
         if not q:
             self._head_since[node] = now + self.decision_delay_s
@@ -95,9 +99,8 @@ class Kvtier(Policy):
         self._queued_s[node] += self._predicted[node]
 
     def first_token(self, req: SimRequest, node: int, now: float) -> None:
-        # Its blocks are computed there now (a request still queued is no cache: pricing it as one
-        # piles a conversation's next turns onto a node that has not computed its last).
-        self.computed.computed(self._names[node], req.keys)
+        # Pending there since it was routed (a node serves its queue in order); computed now.
+        self.computed.computed(self._pending.pop(req.rid))
         q = self._queued[node]
         rid, predicted = q.popleft()
         assert rid == req.rid, "a node serves its queue first come, first served"

@@ -43,14 +43,31 @@ def test_the_wait_a_request_adds_for_those_behind_it_keeps_it_with_its_cache_at_
     cands = [Candidate("a", 0.5, 0.1, 3), Candidate("b", 0.0, 0.55, 0)]
     assert Chooser(Edge()).choose(cands).engine == "b"  # no arrival times: the prediction alone
     c = Chooser(Edge(), window_s=30.0)
-    for i in range(59):  # 60 arrivals in 30 s over 2 engines: 1 a second each
-        c.rate_per_engine(i * 0.5, 2)
-    assert c.rate_per_engine(29.5, 2) == pytest.approx(1.0)
-    c2 = Chooser(Edge(), window_s=30.0)
-    for i in range(59):
-        c2.rate_per_engine(i * 0.5, 2)
+    pair = [Candidate("a", 0.0, 0.0, 0), Candidate("b", 0.0, 0.0, 0)]
+    for i in range(60):  # 60 arrivals in 30 s, dealt in turn: 1 a second to each engine
+        c.choose(pair, now=i * 0.5)
+    assert c.rates(29.5) == pytest.approx({"a": 1.0, "b": 1.0})
     # a: 0.6 x (1 + 0.1 x 1) = 0.66; b: 0.55 x (1 + 0.55 x 1) = 0.8525
-    got = c2.choose(cands, now=29.5)
+    got = c.choose(cands, now=29.5)
     assert (got.engine, got.reason, got.predicted_s) == ("a", CACHE, pytest.approx(0.6))
+    assert c.rates(29.5) == pytest.approx({"a": 31 / 30, "b": 1.0})
     # Arrivals older than the window no longer count: at a low rate b wins again.
-    assert c2.choose(cands, now=1000.0).engine == "b"
+    assert c.choose(cands, now=1000.0).engine == "b"
+    assert c.rates(1000.0) == {"b": pytest.approx(1 / 30)}
+
+
+def test_an_engine_is_charged_the_arrivals_routed_to_it_not_the_fleets_average() -> None:
+    """A document only a holds, wanted by every request: a queue at a, 0.6 s to compute it on b.
+    At the fleet's average rate (5 a second an engine) b costs 0.6 x 4 = 2.4 s and a's queue wins;
+    but the requests behind a new one at b are those routed to b (none), so b computes it once."""
+    c = Chooser(Edge(), window_s=10.0)
+    for i in range(100):  # 10 a second, all to a (which held the document alone)
+        c.choose([Candidate("a", 0.0, 0.05, 0), Candidate("b", 0.0, 0.6, 0)], now=i * 0.1)
+    assert c.rates(9.9) == pytest.approx({"a": 10.0})
+    got = c.choose([Candidate("a", 1.5, 0.05, 30), Candidate("b", 0.0, 0.6, 0)], now=10.0)
+    assert (got.engine, got.reason) == ("b", QUEUE)  # a: 1.55 x 1.5 = 2.3 s; b: 0.6 x 1 = 0.6 s
+    # Control: with b's share of the arrivals as high as a's, a's queue wins.
+    even = Chooser(Edge(), window_s=10.0)
+    for i in range(100):
+        even.choose([Candidate("a", 0.0, 0.0, 0), Candidate("b", 0.0, 0.0, 0)], now=i * 0.1)
+    assert even.choose([Candidate("a", 1.5, 0.05, 30), Candidate("b", 0.0, 0.6, 0)], now=10.0).engine == "a"

@@ -11,12 +11,16 @@ BT = 4
 PROMPT = list(range(100, 100 + 5 * BT + 2))  # 5 full blocks and 2 tokens
 
 
+def _computed(view: EngineCacheView, engine: str, digests) -> None:
+    view.computed(view.sent(engine, digests))
+
+
 def test_a_prompt_an_engine_computed_is_resident_there_only_and_for_its_salt_only() -> None:
     view = EngineCacheView(["a", "b"], default_blocks=100)
     d = view.digests(PROMPT, "salt-1", BT)
     assert len(d) == 5 and len(set(d)) == 5
     assert view.resident("a", d) == 0
-    view.computed("a", d)
+    _computed(view, "a", d)
     assert (view.resident("a", d), view.resident("b", d)) == (5, 0)
     # The same tokens under another salt (another principal) share nothing, as in vLLM's own cache.
     assert view.resident("a", view.digests(PROMPT, "salt-2", BT)) == 0
@@ -33,22 +37,48 @@ def test_least_recently_used_blocks_leave_first_and_a_gap_ends_the_prefix() -> N
     view = EngineCacheView(["a"], default_blocks=6)
     one = view.digests(PROMPT, "s", BT)
     two = view.digests([9] * (3 * BT), "s", BT)
-    view.computed("a", one)
-    view.computed("a", two)  # 8 blocks for 6: one's first two leave
+    _computed(view, "a", one)
+    _computed(view, "a", two)  # 8 blocks for 6: one's first two leave
     assert view.size("a") == 6 and view.resident("a", two) == 3
     assert view.resident("a", one) == 0, "its first block left, so nothing of it is a prefix"
     view.capacity("a", 2)
     assert view.size("a") == 2 and view.resident("a", two) == 0
-    view.computed("a", two[:2])
+    _computed(view, "a", two[:2])
     assert view.resident("a", two) == 2
     view.forget("a")
     assert view.size("a") == 0 and view.resident("a", two) == 0
 
 
+def test_a_prompt_sent_and_not_yet_answered_counts_at_its_engine_until_its_attempt_ends() -> None:
+    view = EngineCacheView(["a", "b"], default_blocks=100)
+    doc = view.digests(PROMPT, "s", BT)
+    first = view.sent("a", doc)
+    # Queued at a: a request sent after it finds the document computed when its own turn comes.
+    assert (view.resident("a", doc), view.resident("b", doc)) == (5, 0)
+    assert view.size("a") == 0, "pending is not in the LRU set (it takes no capacity yet)"
+    second = view.sent("a", doc[:3])
+    view.settled(first)  # the first attempt failed (no first token): the second still pends
+    assert view.resident("a", doc) == 3
+    view.computed(second)  # its first token: computed, the most recently used
+    view.settled(second)  # the attempt's end after its first token changes nothing
+    assert view.resident("a", doc) == 3 and view.size("a") == 3
+    failed = view.sent("b", doc)
+    view.settled(failed)
+    view.computed(failed)  # a ticket already settled counts nothing
+    assert view.resident("b", doc) == 0 and view.size("b") == 0
+    # An engine taken down forgets what it held; an attempt still running there pends until it ends.
+    running = view.sent("a", doc)
+    view.forget("a")
+    assert view.resident("a", doc) == 5
+    view.settled(running)
+    assert view.resident("a", doc) == 0
+
+
 def test_no_capacity_means_nothing_is_believed_held() -> None:
     view = EngineCacheView(["a"], default_blocks=0)
     d = view.digests(PROMPT, "s", BT)
-    view.computed("a", d)
+    _computed(view, "a", d)
+    view.sent("a", d)
     assert view.resident("a", d) == 0
 
 
