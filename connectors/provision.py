@@ -41,7 +41,7 @@ from connectors.held_feed import DaemonHeldFeed, HeldFeed, LocalHeldFeed
 from connectors.identity import salt_mapper
 from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.cache.prefix_cache import PrefixCache
-from kvtier.errors import AccessDenied, ConfigError, TierUnavailable
+from kvtier.errors import ConfigError
 from kvtier.keys import ScopeKind
 from kvtier.layout import KVLayout
 from kvtier.security.domain_table import DomainTable
@@ -52,7 +52,7 @@ from kvtier.store.tiered_store import TransferObserver
 
 if TYPE_CHECKING:
     from kvtier.dataplane.region_blocks import RegionBlocks
-    from storage_backends.grpc import GrpcTier, GrpcTierConfig
+    from storage_backends.grpc import GrpcTier, GrpcTierConfig, WarmUp
 
 CONFIG_PREFIX = "kvtier."
 
@@ -167,6 +167,19 @@ class CacheSource(ABC):
         them itself."""
         return None
 
+    def warm_up(self, *, data_plane: bool, timeout_s: float) -> WarmUp | None:
+        """Pay the source's first-use costs now, at engine start, not in a user's first request:
+        the connection, and with ``data_plane`` the shared-memory region (a process that moves
+        KV: a worker). None when there is nothing to pay (an in-process source). TierUnavailable
+        when the source cannot be reached within ``timeout_s``; the caller decides whether that
+        stops the engine."""
+        return None
+
+    def attach_counts(self) -> dict[str, int]:
+        """First-use costs paid since start wherever they fell (at warm-up, or in a request after
+        a daemon restart): ``data_plane_attaches`` and ``data_plane_attach_us``; {} when none apply."""
+        return {}
+
     @abstractmethod
     def held_feed(self, stream: str) -> HeldFeed:
         """A watch stream on whether the node still holds blocks (connectors/held_feed.py): what
@@ -265,19 +278,18 @@ class DaemonSource(CacheSource):
 
     def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
         # Every salt's client shares the root's channel, so its Put finds blocks in this region.
-        # The region is attached by a client acting for a salt (an engine credential alone may
-        # not): the salt's, resolved now if this process has not yet (the save resolves it anyway;
-        # a refused or unreachable one stages, and the save counts the refusal).
-        link = self.root.session.current
-        if link is not None:
-            return link.region_blocks(n, block_bytes)
-        try:
-            self.for_salt(salt)
-        except (AccessDenied, TierUnavailable):
-            return None
-        with self._lock:
-            known = self._tenants.get(salt)
-        return None if known is None else known[1].region_blocks(n, block_bytes)
+        # The engine's own credential attaches it (at warm-up, or here after a daemon restart):
+        # a region belongs to the credential, never to a request's principal, so the salt does
+        # not choose it (the save that follows resolves the salt, and counts a refusal).
+        return self.root.region_blocks(n, block_bytes)
+
+    def warm_up(self, *, data_plane: bool, timeout_s: float) -> WarmUp:
+        # An engine's credential has no scopes of its own: each request's salt brings them.
+        return self.root.warm_up(domains=False, data_plane=data_plane, timeout_s=timeout_s)
+
+    def attach_counts(self) -> dict[str, int]:
+        session = self.root.session
+        return {"data_plane_attaches": session.attaches, "data_plane_attach_us": session.attach_us}
 
     def close(self) -> None:
         with self._lock:

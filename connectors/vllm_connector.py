@@ -21,6 +21,8 @@ How vLLM's world maps onto kvtier:
   ``connectors.provision.CacheSource``: with the daemon, the daemon verifies the salt (the engine
   holds only its own ``engine`` credential); with an in-process cache, ``connectors.identity``
   does. A request without a valid salt is served without kvtier (counted).
+- Start-up pays the first-use costs (``_warm_up``): every connector process connects to the
+  daemon, and a worker attaches its shared-memory region, before any request arrives.
 - vLLM's default executor runs the scheduler and the workers in separate processes: a cache in
   one process's memory is refused at start-up (``_check_process_model``), never silently empty.
 - Scopes come from a ``connectors.scoping`` rule (private, or public-registry).
@@ -86,6 +88,10 @@ from kvtier.planning.cost_model import CostModel
 from kvtier.store.lookup import Lookup
 
 log = logging.getLogger("kvtier.connector")
+
+#: How long engine start waits for the daemon's connection (``kvtier.warm_up_timeout_s``): a
+#: daemon that is not up yet costs one warning and this wait, and requests then connect lazily.
+WARM_UP_TIMEOUT_S = 5.0
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -352,6 +358,7 @@ class KvtierConnector(KVConnectorBase_V1):
         #: Pages one step can save per layer: the staging the transfer engine preallocates.
         self._max_step_pages = -(-max_tokens // self.layout.block_tokens) + 1
         self._saver = BlockSaver(self._save_job, self._lock, self.stats, on_done=self._save_stored)
+        self._warm_up(role == KVConnectorRole.WORKER)
         #: Scheduler side, with vLLM's KV events on: what the node holds for this engine, as events.
         self.kv_events: KvEventReporter | None = None
         if role == KVConnectorRole.SCHEDULER and events is not None:
@@ -368,6 +375,32 @@ class KvtierConnector(KVConnectorBase_V1):
                 hash_block_size=int(getattr(kv_cache_config, "hash_block_size", None) or self.block_tokens),
                 stats=self.stats, lock=self._lock)
             self.kv_events.start()
+
+    def _warm_up(self, worker: bool) -> None:
+        """Pay the first-use costs at engine start, before any user waits (issue 31): the daemon's
+        connection for every source, and in a worker that moves KV the shared-memory region
+        (created and pre-faulted; ~150 ms for 256 MiB, paid by the first reload before).
+        Counted in ``warm_up_us`` (the region's size in ``warm_up_region_bytes``). A source that
+        cannot be reached is counted (``warm_up_failed``) and logged, and its first request
+        connects instead. An attach that still falls in a request (after a daemon restart) is
+        counted too: ``data_plane_attaches``, ``data_plane_attach_us``."""
+        timeout_s = float(self.options.get("warm_up_timeout_s", WARM_UP_TIMEOUT_S))
+        data_plane = worker and (self.load_enabled or self.save_enabled)
+        for src in (self.source, *(src for _, src in self._ranks)):
+            try:
+                w = src.warm_up(data_plane=data_plane, timeout_s=timeout_s)
+            except TierUnavailable as exc:
+                self.stats["warm_up_failed"] += 1
+                log.warning("kvtier: not warmed up at engine start; the first request connects (%s)", exc)
+                continue
+            if w is None:
+                continue
+            self.stats["warm_up_us"] += round(w.total_s * 1e6)
+            if w.region_bytes:
+                self.stats["warm_up_region_bytes"] = w.region_bytes
+            log.info("kvtier: warmed up at engine start in %.1f ms (connection %.1f ms; data plane %s, %.1f ms, "
+                     "%d bytes)", w.total_s * 1e3, w.connect_s * 1e3, w.data_plane, w.data_plane_s * 1e3,
+                     w.region_bytes)
 
     # =============================================================================================
     # Scheduler side
@@ -847,6 +880,8 @@ class KvtierConnector(KVConnectorBase_V1):
         """This process's running totals, keyed ``<role>.<name>``."""
         with self._lock:
             totals = dict(self.stats)
+        if self._stats_role == "worker":  # the process's source: its workers move the KV
+            totals.update(self.source.attach_counts())
         # Read after the stats: a job that finished in between is then in neither, never in both,
         # so the sum never counts a job twice (a job in neither is counted by a later call).
         pending = self._saver.pending

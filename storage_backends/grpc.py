@@ -253,23 +253,28 @@ class GrpcTier(Tier):
                 return True
         return False
 
-    def warm_up(self) -> WarmUp:
+    def warm_up(self, *, domains: bool = True, data_plane: bool = True,
+                timeout_s: float | None = None) -> WarmUp:
         """Pay this client's first-use costs now, at connect, rather than in its first request:
         the channel's connection, the caller's scope domains (cached), and the shared-memory region
         (created, mapped and pre-faulted on both sides; 256 MiB is 65,536 page faults, about 150 ms
         on a 2-core host, measured in the first reload after start-up before this existed).
-        TierUnavailable when the daemon cannot be reached within ``timeout_s``; a data plane that
-        cannot be had is reported in ``data_plane`` (the calls go inline), raised only in ``shm`` mode."""
+        ``domains=False`` for an engine's own credential, which has no scopes (each request's
+        salt brings its own); ``data_plane=False`` for a client that moves no payloads (a region
+        is the daemon's memory, 256 MiB by default). TierUnavailable when the daemon cannot be
+        reached within ``timeout_s`` (default: the config's); a data plane that cannot be had is
+        reported in ``data_plane`` (the calls go inline), raised only in ``shm`` mode."""
+        wait_s = self.config.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         try:
-            grpc.channel_ready_future(self._ch.channel).result(timeout=self.config.timeout_s)
+            grpc.channel_ready_future(self._ch.channel).result(timeout=wait_s)
         except grpc.FutureTimeoutError:
-            raise TierUnavailable(f"daemon {self.config.target}: not reachable within {self.config.timeout_s} s") \
-                from None
+            raise TierUnavailable(f"daemon {self.config.target}: not reachable within {wait_s} s") from None
         t1 = time.perf_counter()
-        self.domains()
+        if domains:
+            self.domains()
         t2 = time.perf_counter()
-        link = self._link()
+        link = self._link() if data_plane else self._ch.session.current
         t3 = time.perf_counter()
         return WarmUp(t1 - t0, t2 - t1, t3 - t2, self.data_plane, 0 if link is None else link.nbytes)
 

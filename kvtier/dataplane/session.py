@@ -202,6 +202,10 @@ class DataPlaneSession:
         #: Payload bytes moved through the region, by direction ("get", "put"); "put_in_place":
         #: bytes a Put found already in the region (RegionBlocks) and sent without a copy.
         self.moved_bytes = {"get": 0, "put": 0, "put_in_place": 0}
+        #: Regions attached, and the microseconds they took (the offer, the region's creation and
+        #: page faults, the handshake): a first-use cost, reported wherever it was paid.
+        self.attaches = 0
+        self.attach_us = 0
 
     @property
     def current(self) -> SharedMemoryLink | None:
@@ -221,9 +225,14 @@ class DataPlaneSession:
                 return self._link
             if self.mode == "auto" and time.monotonic() - self._failed_at < RETRY_AFTER_S:
                 return None
+            t0 = time.perf_counter()
             try:
                 self._link = SharedMemoryLink.attach(offer(), token(), self.region_bytes)
-                log.info("shared-memory data plane attached", extra={"event": "data_plane", "bytes": self._link.nbytes})
+                took_us = round((time.perf_counter() - t0) * 1e6)
+                self.attaches += 1
+                self.attach_us += took_us
+                log.info("shared-memory data plane attached", extra={
+                    "event": "data_plane", "bytes": self._link.nbytes, "attach_ms": round(took_us / 1000, 1)})
                 return self._link
             except KvtierError as exc:  # DataPlaneUnavailable, or the DataPlane call failed
                 self._failed_at = time.monotonic()

@@ -240,8 +240,11 @@ class RequestSalts(SaltMapper):
 
 
 #: Daemon methods that act for no request: an engine calls them as itself, without a salt. Each
-#: answers only about what that credential did itself (HeldChanges: the blocks it watches).
-CREDENTIAL_METHODS = frozenset({"HeldChanges"})
+#: answers only about what that credential did itself (HeldChanges: the blocks it watches) or
+#: about the daemon, the same for every caller (DataPlane: where its data-plane socket is; the
+#: socket checks the token itself, and a region belongs to the credential that attached it). So an
+#: engine attaches its region at start-up, before any request (issue 31: first-use costs).
+CREDENTIAL_METHODS = frozenset({"HeldChanges", "DataPlane"})
 
 
 def acting_principal(credential: Principal, salt: str | None, salts: SaltMapper, method: str = "") -> Principal:

@@ -180,29 +180,37 @@ def test_region_blocks_are_refused_without_room_and_their_slice_comes_back(deplo
     tier.close()
 
 
-def test_an_engine_gets_region_blocks_through_a_requests_salt(deployment, tmp_path) -> None:
-    """The engine credential alone may not attach a region (it acts only for a request's
-    principal): the engine's source attaches it through the save's salt, once, and every salt's
-    client then shares it. A refused salt gets no region (the save stages, and is refused later)."""
+def test_an_engine_attaches_its_region_at_start_before_any_request(deployment, tmp_path) -> None:
+    """The engine's own credential attaches the region, saltless, at warm-up (issue 31: the first
+    reload no longer pays for it); every salt's client then shares it, and the region belongs to
+    the engine's credential whichever request fills it. The attach is timed and counted. Saltless,
+    the engine still reads, writes and lists nothing (tests/integration/test_engine_salts.py)."""
     from connectors.provision import DaemonSource, _daemon_root
 
     dep, daemon = deployment
     tok = tmp_path / "engine.token"
     tok.write_text(dep.token("kvtier", "engine", roles=("engine",)))
     tok.chmod(0o600)
-    bare = _daemon_root({"daemon": daemon.address, "daemon_token_file": str(tok)})
-    assert bare.region_blocks(1, MID.bytes_per_block) is None, "control: no region without a salt"
-    assert "PERMISSION_DENIED" in bare.data_plane
-    bare.close()
     src = DaemonSource(_daemon_root({"daemon": daemon.address, "daemon_token_file": str(tok)}), MID)
-    assert src.region_blocks("kvs2:acme:alice:" + "0" * 32, 2, MID.bytes_per_block) is None
-    staged = src.region_blocks(dep.salt("acme", "alice"), 2, MID.bytes_per_block)
-    assert staged is not None and src.root.data_plane == "shm"
-    other = src.region_blocks(dep.salt("globex", "bob"), 2, MID.bytes_per_block)
-    assert other is not None and other.rows.data_ptr() != staged.rows.data_ptr()
-    staged.release()
-    other.release()
-    src.close()
+    try:
+        # Control: the connection alone (a scheduler) maps nothing.
+        w = src.warm_up(data_plane=False, timeout_s=10)
+        assert w.region_bytes == 0 and src.root.session.current is None
+        assert src.attach_counts() == {"data_plane_attaches": 0, "data_plane_attach_us": 0}
+        w = src.warm_up(data_plane=True, timeout_s=10)
+        # (No Domains call: saltless, the engine credential would be refused it.)
+        assert w.data_plane == "shm" and w.region_bytes > 0
+        counts = src.attach_counts()
+        assert counts["data_plane_attaches"] == 1 and counts["data_plane_attach_us"] > 0
+        link = src.root.session.current
+        staged = src.region_blocks(dep.salt("acme", "alice"), 2, MID.bytes_per_block)
+        other = src.region_blocks(dep.salt("globex", "bob"), 2, MID.bytes_per_block)
+        assert staged is not None and other is not None and other.rows.data_ptr() != staged.rows.data_ptr()
+        assert src.root.session.current is link and src.attach_counts() == counts, "no second attach"
+        staged.release()
+        other.release()
+    finally:
+        src.close()
 
 
 def test_no_region_blocks_without_a_data_plane(deployment) -> None:

@@ -296,6 +296,11 @@ def test_reuse_tenants_and_salts_in_one_engine(world) -> None:
     # into the daemon's shared region, and its Put sent offsets (none went through staging).
     assert worker.get("save_blocks_in_region", 0) >= worker["saved_blocks"], worker
     assert worker.get("save_blocks_staged", 0) == 0, worker
+    # First-use costs were paid at engine start (issue 31): each process connected there, and the
+    # worker's one region attach was its warm-up's (a request that attached one would count a second).
+    assert sched["warm_up_us"] > 0 and worker["warm_up_us"] > 0 and "warm_up_failed" not in worker
+    assert worker["warm_up_region_bytes"] > 0 and worker["data_plane_attaches"] == 1, worker
+    assert worker["data_plane_attach_us"] > 0
 
     # (c) publish the document: an operator-side publisher copies alice's computed blocks of it into
     # the public scope through the daemon (the engine never writes a public block itself).
