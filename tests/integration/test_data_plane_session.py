@@ -481,3 +481,32 @@ def test_blocks_read_without_a_copy_keep_their_slice_until_they_are_gone(deploym
     del held
     assert wait_for(lambda: link.slices.free_bytes() == link.nbytes), "the slice outlived its blocks"
     tier.close()
+
+
+def test_an_engines_warm_up_without_a_data_plane_is_inline_or_a_named_error(tmp_path) -> None:
+    """An engine's start-up against a daemon that offers no region: ``auto`` goes inline and says
+    so (nothing attached, nothing counted); ``shm`` (required) raises DataPlaneUnavailable, which
+    the vLLM connector lets stop the engine (it catches only an unreachable daemon)."""
+    from connectors.provision import DaemonSource, _daemon_root
+
+    dep, daemon = _start(tmp_path / "d", server={"data_plane": "off"})
+    tok = tmp_path / "engine.token"
+    tok.write_text(dep.token("kvtier", "engine", roles=("engine",)))
+    tok.chmod(0o600)
+    try:
+        for mode in ("auto", "shm"):
+            src = DaemonSource(_daemon_root({"daemon": daemon.address, "daemon_token_file": str(tok),
+                                             "data_plane": mode}), MID)
+            try:
+                if mode == "shm":
+                    with pytest.raises(DataPlaneUnavailable, match="offers no shared-memory data plane"):
+                        src.warm_up(data_plane=True, timeout_s=10)
+                else:
+                    w = src.warm_up(data_plane=True, timeout_s=10)
+                    assert w.data_plane == "inline: the daemon offers no shared-memory data plane"
+                    assert w.region_bytes == 0
+                assert src.attach_counts() == {"data_plane_attaches": 0, "data_plane_attach_us": 0}
+            finally:
+                src.close()
+    finally:
+        daemon.stop(grace_s=0)
