@@ -41,7 +41,7 @@ from connectors.held_feed import DaemonHeldFeed, HeldFeed, LocalHeldFeed
 from connectors.identity import salt_mapper
 from kvtier.cache.kv_cache import CacheOptions, KVCache
 from kvtier.cache.prefix_cache import PrefixCache
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.keys import ScopeKind
 from kvtier.layout import KVLayout
 from kvtier.security.domain_table import DomainTable
@@ -279,9 +279,13 @@ class DaemonSource(CacheSource):
     def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
         # Every salt's client shares the root's channel, so its Put finds blocks in this region.
         # The engine's own credential attaches it (at warm-up, or here after a daemon restart):
-        # a region belongs to the credential, never to a request's principal, so the salt does
-        # not choose it (the save that follows resolves the salt, and counts a refusal).
-        return self.root.region_blocks(n, block_bytes)
+        # a region belongs to the credential, never to a request's principal, so ``salt`` does
+        # not choose it. A refused salt's blocks hold their slice until the save that follows
+        # is refused (counted there) and releases it.
+        try:
+            return self.root.region_blocks(n, block_bytes)
+        except KvtierError:  # no region to be had now (the daemon is down; shm mode raises): stage
+            return None
 
     def warm_up(self, *, data_plane: bool, timeout_s: float) -> WarmUp:
         # An engine's credential has no scopes of its own: each request's salt brings them.

@@ -74,7 +74,7 @@ from connectors.vllm_stats import (
     CounterDeltas,
     KvtierConnectorStats,
     KvtierPromMetrics,
-    TierErrorDeltas,
+    SharedDeltas,
     counter_key,
 )
 from kvtier.block import Block
@@ -328,7 +328,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._save_jobs_submitted = 0
         # The source is the process's, whose tiers both roles share when they share a process:
         # an in-process source is built per connector around the process's one KVCache.
-        self._tier_errors = TierErrorDeltas(getattr(self.source, "cache", self.source), self.source.errors)
+        self._tier_errors = SharedDeltas(getattr(self.source, "cache", self.source), "tier_errors", self.source.errors)
+        #: Regions attached by the process's source (at warm-up, or in a request after a daemon
+        #: restart): reported by the worker role, which moves the KV, once per process.
+        self._attaches = SharedDeltas(self.source, "attaches", self.source.attach_counts, every_s=0.0)
         # scheduler side
         self._matched: dict[str, _Match] = {}
         self._loads_pending: list[BlockJob] = []
@@ -386,10 +389,15 @@ class KvtierConnector(KVConnectorBase_V1):
         counted too: ``data_plane_attaches``, ``data_plane_attach_us``."""
         timeout_s = float(self.options.get("warm_up_timeout_s", WARM_UP_TIMEOUT_S))
         data_plane = worker and (self.load_enabled or self.save_enabled)
+        unreachable: set[object] = set()  # nodes that did not answer: the other ranks' sources skip them
         for src in (self.source, *(src for _, src in self._ranks)):
+            if src.node in unreachable:
+                self.stats["warm_up_failed"] += 1
+                continue
             try:
                 w = src.warm_up(data_plane=data_plane, timeout_s=timeout_s)
             except TierUnavailable as exc:
+                unreachable.add(src.node)
                 self.stats["warm_up_failed"] += 1
                 log.warning("kvtier: not warmed up at engine start; the first request connects (%s)", exc)
                 continue
@@ -880,8 +888,6 @@ class KvtierConnector(KVConnectorBase_V1):
         """This process's running totals, keyed ``<role>.<name>``."""
         with self._lock:
             totals = dict(self.stats)
-        if self._stats_role == "worker":  # the process's source: its workers move the KV
-            totals.update(self.source.attach_counts())
         # Read after the stats: a job that finished in between is then in neither, never in both,
         # so the sum never counts a job twice (a job in neither is counted by a later call).
         pending = self._saver.pending
@@ -898,6 +904,9 @@ class KvtierConnector(KVConnectorBase_V1):
         for cause, n in self._tier_errors.take().items():
             key = counter_key(self._stats_role, f"tier_error:{cause}")
             delta[key] = delta.get(key, 0) + n
+        if self._stats_role == "worker":
+            for name, n in self._attaches.take().items():
+                delta[counter_key("worker", name)] = n
         return KvtierConnectorStats(data=delta) if delta else None
 
     @classmethod

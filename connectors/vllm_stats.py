@@ -105,39 +105,40 @@ class CounterDeltas:
         return out
 
 
-#: One baseline per owner of tiers in this process (see TierErrorDeltas), dropped with the owner.
-_TIER_BASELINES: weakref.WeakKeyDictionary[Any, CounterDeltas] = weakref.WeakKeyDictionary()
-_TIER_LOCK = threading.Lock()
+#: Per owner in this process (see SharedDeltas), one baseline per kind of count; dropped with the owner.
+_BASELINES: weakref.WeakKeyDictionary[Any, dict[str, CounterDeltas]] = weakref.WeakKeyDictionary()
+_BASELINES_LOCK = threading.Lock()
 
 
-class TierErrorDeltas:
-    """A connector's tier errors (``CacheSource.errors()``: cumulative, by cause), as deltas,
-    asked for at most every ``every_s``.
+class SharedDeltas:
+    """Cumulative counts of something the connectors of one process share (``kind``: their tiers'
+    errors, ``CacheSource.errors()``; their data-plane attaches, ``CacheSource.attach_counts()``),
+    as deltas, asked for at most every ``every_s``.
 
-    ``owner`` is the object whose tiers ``errors`` sums (the process's daemon source, or the
-    process's KVCache). When vLLM runs the scheduler and the worker in one process, both
-    connectors have the same owner; its baseline is shared, so each error is reported once per
-    process, by whichever connector asks first (the sum over roles stays exact).
+    ``owner`` is the object the counts belong to (the process's daemon source, or the process's
+    KVCache). Connectors with the same owner (vLLM's scheduler and worker in one process, or an
+    engine built again in the same process) share its baseline, so each count is reported once
+    per process, by whichever connector asks first (the sum over roles stays exact).
     """
 
-    def __init__(self, owner: Any, errors: Callable[[], Mapping[str, int]], *,
+    def __init__(self, owner: Any, kind: str, counts: Callable[[], Mapping[str, int]], *,
                  every_s: float = TIER_ERRORS_EVERY_S) -> None:
-        self._errors = errors
+        self._counts = counts
         self._every_s = every_s
         self._asked = float("-inf")
-        with _TIER_LOCK:
-            baseline = _TIER_BASELINES.get(owner)
-            if baseline is None:
-                baseline = _TIER_BASELINES[owner] = CounterDeltas()
-        self._baseline = baseline
+        with _BASELINES_LOCK:
+            kinds = _BASELINES.get(owner)
+            if kinds is None:
+                kinds = _BASELINES[owner] = {}
+            self._baseline = kinds.setdefault(kind, CounterDeltas())
 
     def take(self) -> dict[str, int]:
         now = time.monotonic()
         if now - self._asked < self._every_s:
             return {}
         self._asked = now
-        totals = self._errors()
-        with _TIER_LOCK:
+        totals = self._counts()
+        with _BASELINES_LOCK:
             return self._baseline.take(totals)
 
 
@@ -165,4 +166,4 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
 
 
 __all__ = ["EVENTS_METRIC", "EVENT_LABELS", "TIER_ERRORS_EVERY_S", "CounterDeltas", "KvtierConnectorStats",
-           "KvtierPromMetrics", "TierErrorDeltas", "counter_key", "split_key"]
+           "KvtierPromMetrics", "SharedDeltas", "counter_key", "split_key"]

@@ -266,9 +266,11 @@ class GrpcTier(Tier):
         reported in ``data_plane`` (the calls go inline), raised only in ``shm`` mode."""
         wait_s = self.config.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
+        ready = grpc.channel_ready_future(self._ch.channel)
         try:
-            grpc.channel_ready_future(self._ch.channel).result(timeout=wait_s)
+            ready.result(timeout=wait_s)
         except grpc.FutureTimeoutError:
+            ready.cancel()  # else it keeps polling the channel until the channel closes
             raise TierUnavailable(f"daemon {self.config.target}: not reachable within {wait_s} s") from None
         t1 = time.perf_counter()
         if domains:

@@ -41,7 +41,8 @@ ROLE_ENGINE = "engine"
 CONFINED_ROLES: dict[str, frozenset[str]] = {
     ROLE_ROUTER: frozenset({"Locate"}),
     # The data path only: a stolen salt reaches no Purge, Delete, ListScope, Stats or Revoke
-    # through an engine (issue 32, point 4). HeldChanges is called saltless, as the engine itself.
+    # through an engine (issue 32, point 4). HeldChanges and DataPlane are called saltless, as the
+    # engine itself (salts.CREDENTIAL_METHODS).
     ROLE_ENGINE: frozenset({"Lookup", "Get", "Put", "Domains", "DataPlane", "Locate", "WatchHeld",
                             "HeldChanges"}),
 }

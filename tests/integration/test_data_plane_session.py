@@ -30,6 +30,7 @@ from benchmarks.localdeploy import LocalDeployment
 from kvtier.dataplane.handshake import Attached, Hello, read_reply, send_hello
 from kvtier.dataplane.region import SharedRegion
 from kvtier.dataplane.session import DataPlaneUnavailable
+from kvtier.errors import AccessDenied
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
 from kvtier.rpc import kvtier_pb2 as pb
@@ -209,8 +210,33 @@ def test_an_engine_attaches_its_region_at_start_before_any_request(deployment, t
         assert src.root.session.current is link and src.attach_counts() == counts, "no second attach"
         staged.release()
         other.release()
+        # The region gives the saltless credential nothing: it still reads and writes nothing.
+        blocks = chain_blocks(2, layout=MID, scope=Scope.user("acme/alice"))
+        with pytest.raises(AccessDenied, match="acts only for a request's principal"):
+            src.root.put(blocks, degrade=False)
+        with pytest.raises(AccessDenied, match="acts only for a request's principal"):
+            src.root.lookup_response([b.key for b in blocks])
     finally:
         src.close()
+
+
+def test_no_region_when_the_daemon_is_down_means_the_save_stages(tmp_path) -> None:
+    """A save's region room while the daemon is down (it was at start, or it restarted): None,
+    so the save stages its blocks and its Put reports the failure; never an exception inside the
+    engine's step, even where shared memory is required."""
+    from connectors.provision import DaemonSource, _daemon_root
+
+    tok = tmp_path / "engine.token"
+    tok.write_text("engine-token")
+    tok.chmod(0o600)
+    for mode in ("auto", "shm"):
+        src = DaemonSource(_daemon_root({"daemon": "127.0.0.1:1", "daemon_token_file": str(tok),
+                                         "data_plane": mode, "daemon_timeout_s": 1.0}), MID)
+        try:
+            assert src.region_blocks("any-salt", 2, MID.bytes_per_block) is None, mode
+            assert src.attach_counts()["data_plane_attaches"] == 0
+        finally:
+            src.close()
 
 
 def test_no_region_blocks_without_a_data_plane(deployment) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvtier.errors import AccessDenied
 from kvtier.keys import PUBLIC, ScopeKind
-from kvtier.security.policy import ROLE_ROUTER, Op, Policy, Principal, confined
+from kvtier.security.policy import ROLE_ENGINE, ROLE_ROUTER, Op, Policy, Principal, confined
+from kvtier.security.salts import CREDENTIAL_METHODS, RequestSalts, acting_principal
 from tests.helpers import DERIVER
 
 
@@ -25,3 +29,17 @@ def test_a_router_may_call_locate_only_and_reads_nothing_of_its_own() -> None:
     # The public-only principal Locate answers for a router without a salt is not confined.
     public_only = Principal(tenant="fleet", user="r1", scope_kinds=frozenset({ScopeKind.PUBLIC}))
     assert list(policy.readable_domains(public_only).values()) == [PUBLIC]
+
+
+def test_an_engine_credential_calls_only_the_credential_methods_without_a_salt() -> None:
+    """Saltless, an engine acts as itself for HeldChanges and DataPlane (which answer nothing about
+    a tenant) and for nothing else; a non-engine credential calls them as itself, as anything."""
+    engine = Principal(tenant="kvtier", user="engine", roles=frozenset({ROLE_ENGINE}))
+    assert {"HeldChanges", "DataPlane"} == CREDENTIAL_METHODS
+    for method in sorted(CREDENTIAL_METHODS):
+        assert acting_principal(engine, None, RequestSalts(None, None), method) is engine
+    for method in ("Get", "Put", "Lookup", "Domains", "Locate", "WatchHeld"):
+        with pytest.raises(AccessDenied, match="acts only for a request's principal"):
+            acting_principal(engine, None, RequestSalts(None, None), method)
+    tenant = Principal(tenant="acme", user="alice")
+    assert acting_principal(tenant, None, RequestSalts(None, None), "Get") is tenant
