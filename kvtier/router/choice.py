@@ -13,17 +13,26 @@ reach it before that first token::
 
     cost = predicted + service x rate_e x predicted
 
-with ``rate_e`` the requests this chooser sent to that engine per second over the last
-``RATE_WINDOW_S`` (the caller gives the arrival times; a retry is not an arrival). Without the
-term a request that finds its prefix on a busy engine recomputes it on an idle one whenever that
-is faster for itself; at high load those recomputations use up the capacity every later request
-needs. The rate is the engine's own, not the fleet's average: the requests that will queue behind
-this one are those routed to that engine. With the average, an engine that alone held a document
-every request wanted kept it behind a queue of seconds, because computing it once on an idle
-engine was priced as if that engine would receive the document's whole traffic (the fleet
-simulator's multitenant workload at 8 nodes under load: p99 1,253 ms with the average, 408 ms
-with each engine's own rate). The term vanishes as the rate goes to 0, and a caller that gives no
-time (``now=None``) decides on the prediction alone.
+with ``rate_e`` the requests this chooser sent to that engine *for its cache* (reason ``cache``,
+below) per second over the last ``RATE_WINDOW_S`` (the caller gives the arrival times; a retry is
+not an arrival). Without the term a request that finds its prefix on a busy engine recomputes it
+on an idle one whenever that is faster for itself; at high load those recomputations use up the
+capacity every later request needs. The requests that will wait behind this one are those bound
+to that engine by what it holds, so the rate is the engine's own, and counts only those:
+
+- Not the fleet's average. With it, an engine that alone held a document every request wanted
+  kept it behind a queue of seconds, because computing it once on an idle engine was priced as
+  if that engine would receive the document's whole traffic (the fleet simulator's multitenant
+  workload at 8 nodes under load: p99 1,253 ms with the average, 408 ms with each engine's own).
+- Not every request sent there. A request sent for a short queue or by balance would have gone
+  elsewhere had this engine been busier, so it is not held up. Counting it fed a loop: an engine
+  behind a long queue received few requests, its rate fell, and long prompts no engine held
+  were priced cheapest there, behind the queue, while idle engines that had just received
+  balanced requests looked dearer (the simulated Mooncake trace under load: p99 6,610 ms at 8
+  nodes and 5,435 ms at 32 with every request counted, 4,535 and 3,664 ms with these only).
+
+The term vanishes as the rate goes to 0, and a caller that gives no time (``now=None``) decides
+on the prediction alone.
 
 Engines whose cost lies within the edge of the best (``edge_s``, or ``edge_rel`` of the best
 when that is larger) are tied: the cache gives none of them an edge worth having, and the least
@@ -81,7 +90,7 @@ class Choice:
 
 class Chooser:
     """Applies the rule of the module docstring. Holds the rotation's position and, for the
-    requests it sent in the last ``window_s``, their times and engines.
+    requests it sent in the last ``window_s`` for an engine's cache, their times and engines.
 
     Invariant: ``_counts[e]`` is the number of entries of ``_arrivals`` for engine ``e`` (absent: 0).
     """
@@ -95,8 +104,9 @@ class Chooser:
         self._counts: dict[str, int] = {}  # per engine, its entries in _arrivals
 
     def rates(self, now: float) -> dict[str, float]:
-        """Per engine, the requests this chooser sent it per second over the window ending at
-        ``now`` (non-decreasing); an engine sent none in the window is absent (0)."""
+        """Per engine, the requests this chooser sent it for its cache (reason ``cache``) per
+        second over the window ending at ``now`` (non-decreasing); an engine sent none in the
+        window is absent (0)."""
         arr, counts = self._arrivals, self._counts
         while arr and arr[0][0] < now - self.window_s:
             _, engine = arr.popleft()
@@ -122,7 +132,7 @@ class Chooser:
             c = pool[self._turn % len(pool)]
             self._turn += 1
             choice = Choice(c.engine, BALANCED, c.predicted_s)
-        if now is not None:
+        if now is not None and choice.reason == CACHE:
             self._arrivals.append((now, choice.engine))
             self._counts[choice.engine] = self._counts.get(choice.engine, 0) + 1
         return choice

@@ -11,11 +11,12 @@ the shared S3; the rest computed):
     load_n     the router's requests in flight at n (sent, not finished)
 
 and ``Chooser.choose`` picks: the lowest ``wait + service`` plus the wait its work adds for the
-requests expected behind it (``service x rate x (wait + service)``, ``rate`` the fleet's arrivals
-per second per node over the last 30 s); nodes within the router's edge of the best (1 ms, or 5 %
-of it: ``Edge()``, ``kvtier route``'s ``--edge-ms`` / ``--edge-rel`` defaults) are tied, and the
-least loaded of them wins, then a rotation. So a one-block edge (the shared system prompt) does
-not pull every new conversation onto the nodes that happen to hold it.
+requests expected behind it (``service x rate x (wait + service)``, ``rate`` the requests the
+router sent that node for its cache, per second over the last 30 s); nodes within the router's
+edge of the best (1 ms, or 5 % of it: ``Edge()``, ``kvtier route``'s ``--edge-ms`` /
+``--edge-rel`` defaults) are tied, and the least loaded of them wins, then a rotation. So a
+one-block edge (the shared system prompt) does not pull every new conversation onto the nodes that
+happen to hold it.
 
 Queue wait is the router's own bookkeeping: the predicted service times of the requests it sent
 to the node that have not had their first token yet, less the time the oldest of them has been at

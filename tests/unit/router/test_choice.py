@@ -38,14 +38,20 @@ def test_one_candidate_is_chosen_for_its_queue() -> None:
     assert (got.engine, got.reason, got.predicted_s) == ("a", QUEUE, 0.2)
 
 
+def _cache_arrivals(c: Chooser, engines: tuple[str, ...], n: int, every_s: float) -> None:
+    """``n`` arrivals ``every_s`` apart, each won by one engine's cache in turn (reason cache)."""
+    for i in range(n):
+        mine = engines[i % len(engines)]
+        got = c.choose([Candidate(e, 0.0, 0.01 if e == mine else 0.5, 0) for e in engines], now=i * every_s)
+        assert (got.engine, got.reason) == (mine, CACHE)
+
+
 def test_the_wait_a_request_adds_for_those_behind_it_keeps_it_with_its_cache_at_load() -> None:
     # a holds the prefix behind a queue; b is idle and would recompute it.
     cands = [Candidate("a", 0.5, 0.1, 3), Candidate("b", 0.0, 0.55, 0)]
     assert Chooser(Edge()).choose(cands).engine == "b"  # no arrival times: the prediction alone
     c = Chooser(Edge(), window_s=30.0)
-    pair = [Candidate("a", 0.0, 0.0, 0), Candidate("b", 0.0, 0.0, 0)]
-    for i in range(60):  # 60 arrivals in 30 s, dealt in turn: 1 a second to each engine
-        c.choose(pair, now=i * 0.5)
+    _cache_arrivals(c, ("a", "b"), 60, 0.5)  # 60 in 30 s, each engine's cache winning in turn
     assert c.rates(29.5) == pytest.approx({"a": 1.0, "b": 1.0})
     # a: 0.6 x (1 + 0.1 x 1) = 0.66; b: 0.55 x (1 + 0.55 x 1) = 0.8525
     got = c.choose(cands, now=29.5)
@@ -53,7 +59,7 @@ def test_the_wait_a_request_adds_for_those_behind_it_keeps_it_with_its_cache_at_
     assert c.rates(29.5) == pytest.approx({"a": 31 / 30, "b": 1.0})
     # Arrivals older than the window no longer count: at a low rate b wins again.
     assert c.choose(cands, now=1000.0).engine == "b"
-    assert c.rates(1000.0) == {"b": pytest.approx(1 / 30)}
+    assert c.rates(1000.0) == {}, "b won by its queue: not an arrival bound to b"
 
 
 def test_an_engine_is_charged_the_arrivals_routed_to_it_not_the_fleets_average() -> None:
@@ -68,6 +74,25 @@ def test_an_engine_is_charged_the_arrivals_routed_to_it_not_the_fleets_average()
     assert (got.engine, got.reason) == ("b", QUEUE)  # a: 1.55 x 1.5 = 2.3 s; b: 0.6 x 1 = 0.6 s
     # Control: with b's share of the arrivals as high as a's, a's queue wins.
     even = Chooser(Edge(), window_s=10.0)
-    for i in range(100):
-        even.choose([Candidate("a", 0.0, 0.0, 0), Candidate("b", 0.0, 0.0, 0)], now=i * 0.1)
+    _cache_arrivals(even, ("a", "b"), 100, 0.1)
     assert even.choose([Candidate("a", 1.5, 0.05, 30), Candidate("b", 0.0, 0.6, 0)], now=10.0).engine == "a"
+
+
+def test_only_the_requests_an_engines_cache_won_count_in_its_rate() -> None:
+    """A long prompt nobody holds: a sits behind a long queue and has received little lately; b is
+    idle and has just received many requests by balance (they would have gone elsewhere had b been
+    busier). Counting every request sent, b looks dear (rate 5) and the prompt is parked behind a's
+    queue; counting only those b's cache won, b computes it at once."""
+    c = Chooser(Edge(), window_s=10.0)
+    idle = [Candidate("b", 0.0, 0.0, 0), Candidate("c", 0.0, 0.0, 0)]
+    for i in range(100):  # 10 a second dealt between b and c by balance
+        assert c.choose(idle, now=i * 0.1).reason == BALANCED
+    assert c.rates(9.9) == {}
+    long = [Candidate("a", 5.0, 14.0, 9), Candidate("b", 0.0, 14.0, 0), Candidate("c", 0.0, 14.0, 0)]
+    got = c.choose(long, now=10.0)
+    assert got.engine in ("b", "c") and got.reason == BALANCED
+    # Control: had the same arrivals been won by b's and c's caches, their rates would price them
+    # at 14 x (1 + 14 x 5) = 994 s against a's 19 s, and the prompt would wait behind a's queue.
+    bound = Chooser(Edge(), window_s=10.0)
+    _cache_arrivals(bound, ("b", "c"), 100, 0.1)
+    assert bound.choose(long, now=10.0).engine == "a"
