@@ -161,10 +161,10 @@ class CacheSource(ABC):
         """Failures its tiers turned into misses (an unreachable daemon, say), by cause: a tier
         degrades to misses without raising, so this is where a connector sees them."""
 
-    def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
-        """Room for a save's ``n`` blocks (a request with ``salt``) where the cache reads them from
-        without a copy (the daemon's shared region, ``RegionBlocks``), or None: the caller stages
-        them itself."""
+    def region_blocks(self, n: int, block_bytes: int) -> RegionBlocks | None:
+        """Room for a save's ``n`` blocks where the cache reads them from without a copy (the
+        daemon's shared region, ``RegionBlocks``), or None: the caller stages them itself. The
+        room is the engine's, whoever the save is for (its Put decides that)."""
         return None
 
     def warm_up(self, *, data_plane: bool, timeout_s: float) -> WarmUp | None:
@@ -276,11 +276,11 @@ class DaemonSource(CacheSource):
     def node(self) -> object:
         return ("daemon", self.root.config.target)
 
-    def region_blocks(self, salt: str, n: int, block_bytes: int) -> RegionBlocks | None:
+    def region_blocks(self, n: int, block_bytes: int) -> RegionBlocks | None:
         # Every salt's client shares the root's channel, so its Put finds blocks in this region.
         # The engine's own credential attaches it (at warm-up, or here after a daemon restart):
-        # a region belongs to the credential, never to a request's principal, so ``salt`` does
-        # not choose it. A refused salt's blocks hold their slice until the save that follows
+        # a region belongs to the credential, never to a request's principal, so no salt
+        # chooses it. A refused salt's blocks hold their slice until the save that follows
         # is refused (counted there) and releases it.
         try:
             return self.root.region_blocks(n, block_bytes)

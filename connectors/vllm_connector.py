@@ -749,8 +749,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if i not in self._staged:
                 # The save's blocks go where the daemon reads them (its shared region) when there is
                 # room: gathering pages there is then the only host copy before the daemon's.
-                self._staged[i] = self.source.region_blocks(job.salt, len(job.block_ids),
-                                                            self.layout.bytes_per_block)
+                self._staged[i] = self.source.region_blocks(len(job.block_ids), self.layout.bytes_per_block)
             staged = self._staged[i]
             # Queued behind this layer's compute on the copy stream, through the registered view
             # (not ``kv_layer``); nothing here waits for it. wait_for_save waits once per step.

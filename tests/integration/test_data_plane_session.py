@@ -204,8 +204,8 @@ def test_an_engine_attaches_its_region_at_start_before_any_request(deployment, t
         counts = src.attach_counts()
         assert counts["data_plane_attaches"] == 1 and counts["data_plane_attach_us"] > 0
         link = src.root.session.current
-        staged = src.region_blocks(dep.salt("acme", "alice"), 2, MID.bytes_per_block)
-        other = src.region_blocks(dep.salt("globex", "bob"), 2, MID.bytes_per_block)
+        staged = src.region_blocks(2, MID.bytes_per_block)
+        other = src.region_blocks(2, MID.bytes_per_block)
         assert staged is not None and other is not None and other.rows.data_ptr() != staged.rows.data_ptr()
         assert src.root.session.current is link and src.attach_counts() == counts, "no second attach"
         staged.release()
@@ -233,7 +233,7 @@ def test_no_region_when_the_daemon_is_down_means_the_save_stages(tmp_path) -> No
         src = DaemonSource(_daemon_root({"daemon": "127.0.0.1:1", "daemon_token_file": str(tok),
                                          "data_plane": mode, "daemon_timeout_s": 1.0}), MID)
         try:
-            assert src.region_blocks("any-salt", 2, MID.bytes_per_block) is None, mode
+            assert src.region_blocks(2, MID.bytes_per_block) is None, mode
             assert src.attach_counts()["data_plane_attaches"] == 0
         finally:
             src.close()
