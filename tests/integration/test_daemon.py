@@ -393,11 +393,19 @@ def test_graceful_shutdown_drains_an_inflight_put(tmp_path: Path) -> None:
             result["ok"] = pb_grpc.KvCacheStub(ch).Put(chunks(), metadata=(("authorization", f"Bearer {token}"),),
                                                        timeout=30)
         except grpc.RpcError as exc:
-            result["err"] = exc.code()
+            result["err"] = (exc.code(), exc.details())
 
     t = threading.Thread(target=put)
     t.start()
     assert halfway.wait(10)
+    # The client's sender reaching block 3 does not mean the daemon has taken the call: under load
+    # its handler may not have run yet, and a call the daemon has not admitted when it starts
+    # draining is refused (UNAVAILABLE) or, not yet matched to a handler, cancelled. Stop only once
+    # the put holds its slot, so it is in flight.
+    deadline = time.monotonic() + 10
+    while d.concurrency.active < 1:
+        assert time.monotonic() < deadline, "the daemon never admitted the put"
+        time.sleep(0.01)
     stopper = threading.Thread(target=d.stop, kwargs={"grace_s": 20})
     stopper.start()
     time.sleep(0.3)
