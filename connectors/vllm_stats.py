@@ -137,9 +137,11 @@ class SharedDeltas:
         if now - self._asked < self._every_s:
             return {}
         self._asked = now
-        totals = self._counts()
+        # Read under the lock: totals read outside it by two connectors at once (scheduler and
+        # worker threads of one process) could set the baseline back, and the growth between the
+        # two reads would be reported twice.
         with _BASELINES_LOCK:
-            return self._baseline.take(totals)
+            return self._baseline.take(self._counts())
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):

@@ -246,7 +246,7 @@ class Router:
             if not up:
                 break
             now = time.monotonic()
-            # The request's arrival counts once in the chooser's rate (a retry is not a new one).
+            # A first attempt the cache decided counts in the chooser's rate; a retry is not an arrival.
             choice = self.chooser.choose(self._candidates(up, located, now, digests), now if attempt == 0 else None)
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
