@@ -172,7 +172,8 @@ class CacheSource(ABC):
         the connection, and with ``data_plane`` the shared-memory region (a process that moves
         KV: a worker). None when there is nothing to pay (an in-process source). TierUnavailable
         when the source cannot be reached within ``timeout_s``; the caller decides whether that
-        stops the engine."""
+        stops the engine. DataPlaneUnavailable when the source answered but shared memory is
+        required (``data_plane=shm``) and no region could be had."""
         return None
 
     def attach_counts(self) -> dict[str, int]:

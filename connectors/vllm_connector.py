@@ -81,7 +81,7 @@ from kvtier.block import Block
 from kvtier.cache.kv_cache import RequestSegment
 from kvtier.dataplane.region_blocks import RegionBlocks
 from kvtier.dataplane.shared_pages import PagesNotShared
-from kvtier.errors import AccessDenied, ConfigError, LayoutMismatch, Overloaded, TierUnavailable
+from kvtier.errors import AccessDenied, ConfigError, DataPlaneUnavailable, LayoutMismatch, Overloaded, TierUnavailable
 from kvtier.keys import ChainBlock, ScopeKind
 from kvtier.layout import KVLayout, dtype_name
 from kvtier.planning.cost_model import CostModel
@@ -676,7 +676,9 @@ class KvtierConnector(KVConnectorBase_V1):
                     counts["load_looked_up_by_worker"] += 1
                     chain = scoped_chain(tenant.cache, tenant.principal, job.prompt, job.end)
                     blocks = tenant.cache.load(tenant.principal, chain[job.start : job.end], sink=sink)
-            except (AccessDenied, TierUnavailable, Overloaded) as exc:  # refused or unreachable: recomputed
+            # Refused or unreachable, or shared memory required and lost (a daemon that restarted
+            # without room for the region): recomputed, never an exception in the engine's step.
+            except (AccessDenied, TierUnavailable, Overloaded, DataPlaneUnavailable) as exc:
                 blocks, error = [], exc
                 counts[f"load_error:{type(exc).__name__}"] += 1
             counts["loaded_blocks"] += len(blocks)
@@ -805,7 +807,7 @@ class KvtierConnector(KVConnectorBase_V1):
             public = job.prompt.public_blocks
             first = max(job.start, public)  # public blocks are published, never written for a request
             report = tenant.cache.save(tenant.principal, part, tensors[first - job.start :], start=first - job.start)
-        except (TierUnavailable, Overloaded):
+        except (TierUnavailable, Overloaded, DataPlaneUnavailable):  # as a load's (above)
             out["save_unavailable"] += 1
         except AccessDenied:
             out["save_refused"] += 1

@@ -73,6 +73,10 @@ class DeadlineExceeded(TierUnavailable):
     """A call ran past its deadline (the client's, or the server's own limit)."""
 
 
+class DataPlaneUnavailable(KvtierError):
+    """Shared memory cannot be used with this daemon from this process (the reason says why)."""
+
+
 class RegionUnavailable(KvtierError):
     """A call named a shared-memory region the daemon does not hold (detached, or the daemon
     restarted): the client attaches a new region or sends its bytes inline."""

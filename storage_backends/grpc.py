@@ -33,10 +33,11 @@ import xxhash
 from kvtier.block import Block, BlockMeta
 from kvtier.dataplane.layered_read import LayerMajorShare, PlacedShare
 from kvtier.dataplane.region_blocks import RegionBlocks
-from kvtier.dataplane.session import DataPlaneSession, PagesLink, SharedMemoryLink
+from kvtier.dataplane.session import RETRY_AFTER_S, DataPlaneSession, DataPlaneUnavailable, PagesLink, SharedMemoryLink
 from kvtier.dataplane.slices import Slice, SliceLease
 from kvtier.dataplane.typed_views import TypedViews
 from kvtier.errors import (
+    AccessDenied,
     ConfigError,
     DeadlineExceeded,
     InvalidRequest,
@@ -198,6 +199,8 @@ class GrpcTier(Tier):
         self._stub, self._get, self._put = self._ch.stub, self._ch.get, self._ch.put
         self._lock = threading.Lock()
         self._domains: DomainTable | None = None
+        #: When this client's own data-plane offer was last refused (see ``_offer``).
+        self._offer_refused_at = -RETRY_AFTER_S
 
     def acting_for(self, salt: str) -> GrpcTier:
         """A client on this channel whose calls act for the principal of ``salt`` (this client's
@@ -218,11 +221,21 @@ class GrpcTier(Tier):
         md = self._metadata(link)
         return (*md, (DURABLE_METADATA, "1")) if self.config.durable else md
 
-    def _link(self) -> SharedMemoryLink | None:
-        return self._ch.session.link(self._offer, self._token)
+    def _link(self, offer: Callable[[], pb.DataPlaneResponse] | None = None) -> SharedMemoryLink | None:
+        if time.monotonic() - self._offer_refused_at < RETRY_AFTER_S:
+            return self._ch.session.current  # attached by another client of the channel, or None
+        return self._ch.session.link(offer or self._offer, self._token)
 
-    def _offer(self) -> pb.DataPlaneResponse:
-        return self._unary("DataPlane", pb.DataPlaneRequest())
+    def _offer(self, timeout_s: float | None = None) -> pb.DataPlaneResponse:
+        try:
+            return self._unary("DataPlane", pb.DataPlaneRequest(), timeout_s=timeout_s)
+        except AccessDenied:
+            # Refused to this client's caller, not to the channel: an engine's own credential
+            # without a salt, on a daemon from before it could ask. It stops asking for a while
+            # (the session keeps no pause for it), so a client acting for a salt on the same
+            # channel still attaches the region, which this one then uses.
+            self._offer_refused_at = time.monotonic()
+            raise
 
     @property
     def data_plane(self) -> str:
@@ -234,12 +247,14 @@ class GrpcTier(Tier):
         """This channel's shared-memory session (its link, the bytes moved through it)."""
         return self._ch.session
 
-    def _unary(self, method: str, request: Any) -> Any:
-        """One unary call; every failure becomes the matching kvtier exception."""
+    def _unary(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        """One unary call (``timeout_s``: the config's by default); every failure becomes the
+        matching kvtier exception."""
         fn = getattr(self._stub, method)
         t0 = time.perf_counter()
         try:
-            return fn(request, timeout=self.config.timeout_s, metadata=self._metadata())
+            return fn(request, timeout=self.config.timeout_s if timeout_s is None else timeout_s,
+                      metadata=self._metadata())
         except grpc.RpcError as exc:
             raise error_from(exc) from None
         finally:
@@ -262,8 +277,11 @@ class GrpcTier(Tier):
         ``domains=False`` for an engine's own credential, which has no scopes (each request's
         salt brings its own); ``data_plane=False`` for a client that moves no payloads (a region
         is the daemon's memory, 256 MiB by default). TierUnavailable when the daemon cannot be
-        reached within ``timeout_s`` (default: the config's); a data plane that cannot be had is
-        reported in ``data_plane`` (the calls go inline), raised only in ``shm`` mode."""
+        reached within ``timeout_s`` (default: the config's), which also bounds the data-plane
+        offer (the socket's handshake has its own bound); a data plane that cannot be had is
+        reported in ``data_plane`` (the calls go inline), raised only in ``shm`` mode, always as
+        DataPlaneUnavailable (the daemon answered: the region, not the daemon, is missing).
+        Without ``data_plane`` nothing is reported of a region another client attached."""
         wait_s = self.config.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         ready = grpc.channel_ready_future(self._ch.channel)
@@ -276,9 +294,21 @@ class GrpcTier(Tier):
         if domains:
             self.domains()
         t2 = time.perf_counter()
-        link = self._link() if data_plane else self._ch.session.current
+        link = self._warm_link(max(0.001, wait_s - (t2 - t0))) if data_plane else None
         t3 = time.perf_counter()
-        return WarmUp(t1 - t0, t2 - t1, t3 - t2, self.data_plane, 0 if link is None else link.nbytes)
+        return WarmUp(t1 - t0, t2 - t1, t3 - t2, self.data_plane if data_plane else "not requested",
+                      0 if link is None else link.nbytes)
+
+    def _warm_link(self, timeout_s: float) -> SharedMemoryLink | None:
+        try:
+            return self._link(lambda: self._offer(timeout_s))
+        except DataPlaneUnavailable:
+            raise
+        except KvtierError as exc:  # only in shm mode: auto answers inline
+            hint = (" (a daemon older than this client refuses an engine credential's offer without a "
+                    "request's salt: upgrade the daemons first)") if isinstance(exc, AccessDenied) else ""
+            raise DataPlaneUnavailable(f"daemon {self.config.target}: no shared-memory region at warm-up: "
+                                       f"{exc}{hint}") from exc
 
     # -- domains ----------------------------------------------------------------------------------
     def domains(self, *, refresh: bool = False) -> DomainTable:

@@ -28,7 +28,7 @@ from kvtier.dataplane.handshake import Attached, Hello, read_reply, send_hello
 from kvtier.dataplane.region import SharedRegion
 from kvtier.dataplane.region_blocks import RegionBlocks
 from kvtier.dataplane.slices import SliceAllocator
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import AccessDenied, ConfigError, DataPlaneUnavailable, KvtierError
 from kvtier.rpc import kvtier_pb2 as pb
 
 log = logging.getLogger("kvtier.client")
@@ -38,10 +38,6 @@ log = logging.getLogger("kvtier.client")
 RETRY_AFTER_S = 30.0
 #: Connecting and the handshake: one small exchange on the local machine.
 HANDSHAKE_TIMEOUT_S = 5.0
-
-
-class DataPlaneUnavailable(KvtierError):
-    """Shared memory cannot be used with this daemon from this process (the reason says why)."""
 
 
 @dataclass(slots=True)
@@ -235,7 +231,10 @@ class DataPlaneSession:
                     "event": "data_plane", "bytes": self._link.nbytes, "attach_ms": round(took_us / 1000, 1)})
                 return self._link
             except KvtierError as exc:  # DataPlaneUnavailable, or the DataPlane call failed
-                self._failed_at = time.monotonic()
+                if not isinstance(exc, AccessDenied):
+                    # Refused to one caller (AccessDenied) is no reason to stop another client
+                    # of this channel, acting for someone else, from attaching: no pause for it.
+                    self._failed_at = time.monotonic()
                 if self.mode == "shm":
                     raise
                 if str(exc) != self._reason:
