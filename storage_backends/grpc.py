@@ -223,7 +223,11 @@ class GrpcTier(Tier):
 
     def _link(self, offer: Callable[[], pb.DataPlaneResponse] | None = None) -> SharedMemoryLink | None:
         if time.monotonic() - self._offer_refused_at < RETRY_AFTER_S:
-            return self._ch.session.current  # attached by another client of the channel, or None
+            current = self._ch.session.current  # attached by another client of the channel, or None
+            if current is None and self._ch.session.mode == "shm":
+                raise DataPlaneUnavailable(f"daemon {self.config.target}: this client's data-plane offer was "
+                                           "refused; shared memory is required")
+            return current
         return self._ch.session.link(offer or self._offer, self._token)
 
     def _offer(self, timeout_s: float | None = None) -> pb.DataPlaneResponse:

@@ -598,6 +598,9 @@ def test_an_older_daemon_stops_an_engine_that_requires_shared_memory_with_the_re
     try:
         with pytest.raises(DataPlaneUnavailable, match="upgrade the daemons first"):
             src.warm_up(data_plane=True, timeout_s=10)
+        # Asked again while the refusal stands: still required, so still an error, never inline.
+        with pytest.raises(DataPlaneUnavailable, match="shared memory is required"):
+            src.warm_up(data_plane=True, timeout_s=10)
     finally:
         src.close()
 
