@@ -33,12 +33,13 @@ import xxhash
 from kvtier.block import Block, BlockMeta
 from kvtier.dataplane.layered_read import LayerMajorShare, PlacedShare
 from kvtier.dataplane.region_blocks import RegionBlocks
-from kvtier.dataplane.session import RETRY_AFTER_S, DataPlaneSession, DataPlaneUnavailable, PagesLink, SharedMemoryLink
+from kvtier.dataplane.session import RETRY_AFTER_S, DataPlaneSession, PagesLink, SharedMemoryLink
 from kvtier.dataplane.slices import Slice, SliceLease
 from kvtier.dataplane.typed_views import TypedViews
 from kvtier.errors import (
     AccessDenied,
     ConfigError,
+    DataPlaneUnavailable,
     DeadlineExceeded,
     InvalidRequest,
     KvtierError,

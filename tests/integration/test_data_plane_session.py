@@ -30,8 +30,7 @@ import xxhash
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.dataplane.handshake import Attached, Hello, read_reply, send_hello
 from kvtier.dataplane.region import SharedRegion
-from kvtier.dataplane.session import DataPlaneUnavailable
-from kvtier.errors import AccessDenied
+from kvtier.errors import AccessDenied, DataPlaneUnavailable
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
 from kvtier.rpc import kvtier_pb2 as pb
