@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "KV events: not built; today's daemon knows its own tiers only)")
     g.add_argument("--locate-s3", action="store_true",
                    help="kvtier's Locate also counts the shared S3 tier (kvtier route asks local_only: it does not)")
+    g.add_argument("--locate-every-request", action="store_true",
+                   help="kvtier asks Locate for every request, as kvtier route --locate-every-request does (default: "
+                        "not when no node can hold more of the prompt than the engines hold themselves)")
     g.add_argument("--tpot-ms", type=float, default=20.0, help="decode time per output token")
     g.add_argument("--profile", default="h200-llama3-8b", choices=sorted(PROFILES), help="cost-model profiles")
 
@@ -121,7 +124,7 @@ def _config(args: argparse.Namespace, pricer: Pricer) -> SimConfig:
                      staleness=Staleness(args.event_delay_ms / 1e3, args.event_loss, args.indexer_restart_s),
                      tpot_s=args.tpot_ms / 1e3, metrics_interval_s=args.metrics_interval_ms / 1e3,
                      locate_s=args.locate_ms / 1e3, locate_gpu=args.locate_gpu,
-                     locate_s3=args.locate_s3, seed=args.seed)
+                     locate_s3=args.locate_s3, locate_every_request=args.locate_every_request, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
                    "eviction": config.eviction, "s3": config.s3, "event_delay_s": config.staleness.delay_s,
                    "event_loss": config.staleness.loss, "indexer_restart_s": config.staleness.restart_every_s,
                    "metrics_interval_s": config.metrics_interval_s, "locate_s": config.locate_s,
-                   "locate_gpu": config.locate_gpu, "locate_s3": config.locate_s3, "tpot_s": config.tpot_s,
+                   "locate_gpu": config.locate_gpu, "locate_s3": config.locate_s3,
+                   "locate_every_request": config.locate_every_request, "tpot_s": config.tpot_s,
                    "seed": config.seed,
                    "cost_model": pricer.model.describe()},
         "references": references, "runs": runs, "verdicts": checks,

@@ -47,6 +47,8 @@ class SimConfig:
     locate_gpu: bool = False
     #: Whether it counts the shared S3 tier (kvtier route asks ``local_only``: it does not).
     locate_s3: bool = False
+    #: ``kvtier route --locate-every-request``: no decision without Locate (policies/kvtier.py).
+    locate_every_request: bool = False
     #: Leading requests that run but are not counted (cold caches).
     warmup_requests: int = 0
     seed: int = 1
@@ -122,7 +124,7 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
     view = FleetView(fleet, s3, channel, block_tokens=workload.block_tokens,
                      metrics_interval_s=config.metrics_interval_s, locate_gpu=config.locate_gpu,
                      locate_s3=config.locate_s3)
-    pol = cls(PolicyContext(view, pricer, tie_rng, config.locate_s))
+    pol = cls(PolicyContext(view, pricer, tie_rng, config.locate_s, config.locate_every_request))
     bt = workload.block_tokens
     warm = config.warmup_requests
     if not 0 <= warm < len(workload.requests):
@@ -196,8 +198,9 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
             counted[choice.node] += 1
         view.inflight[choice.node] += 1
         pol.routed(req, choice.node, now)
-        if pol.decision_delay_s > 0:
-            push(now + pol.decision_delay_s, _ENQUEUE, choice.node, nxt)
+        delay = pol.decision_delay_s if choice.delay_s is None else choice.delay_s
+        if delay > 0:
+            push(now + delay, _ENQUEUE, choice.node, nxt)
         elif fleet[choice.node].enqueue(req):
             start(fleet[choice.node], now)
         nxt += 1

@@ -81,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks of an engine's own prefix cache until it reports its size (vLLM reports it in "
                         "vllm:cache_config_info); the router prices the blocks it sent there as held. 0 (default): "
                         "not estimated for an engine that does not report it")
+    p.add_argument("--locate-every-request", action="store_true",
+                   help="ask Locate for every request with token ids. By default a request is decided without "
+                        "it when no node can hold more of the prompt than the engines hold themselves (this "
+                        "router sent the rest of its blocks nowhere); set this when requests of one "
+                        "conversation also reach other routers, whose blocks this one cannot know")
     p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB", help="largest request body (default 32)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="once listening, write {url, host, port} as JSON to PATH (for scripts and tests)")
@@ -109,7 +114,8 @@ def settings(args: argparse.Namespace) -> RouterSettings:
                           connect_timeout_s=_ms("connect-timeout-ms", args.connect_timeout_ms),
                           max_attempts=args.max_attempts, edge=Edge(args.edge_ms / 1e3, args.edge_rel),
                           queue_prior_s=args.queue_prior_ms / 1e3, engine_cache_blocks=args.engine_cache_blocks,
-                          max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                          skip_locate=not args.locate_every_request)
 
 
 def _fleet(args: argparse.Namespace, metrics: RouterMetrics) -> CacheView | None:

@@ -8,7 +8,9 @@ Per request, in order:
 
 1. the body is read (at most ``max_body_bytes``: 413) and decoded (not a JSON object: 400);
 2. its token ids and ``cache_salt`` (kvtier/router/prompts.py), in a worker thread;
-3. ``Locate`` on every node that is up (kvtier/router/cache_view.py), when there are token ids;
+3. unless an engine believed to hold every full block of the prompt wins without it
+   (``Chooser.held``, kvtier/router/choice.py), ``Locate`` on every node that is up
+   (kvtier/router/cache_view.py), when there are token ids;
 4. each engine that is up is priced: queue wait (kvtier/router/queue_model.py) + the cost of
    the request on its node, or of what the engine lacks where it is believed to hold the prefix
    itself (kvtier/router/engine_cache.py); the choice (kvtier/router/choice.py);
@@ -39,7 +41,7 @@ from aiohttp import web
 
 from kvtier.errors import ConfigError
 from kvtier.router.cache_view import CacheView
-from kvtier.router.choice import Candidate, Chooser, Edge
+from kvtier.router.choice import Candidate, Choice, Chooser, Edge
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
@@ -48,6 +50,7 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
 from kvtier.router.queue_model import QueueModel
+from kvtier.router.seen_blocks import SeenBlocks
 from kvtier.server.locate import Located
 
 log = logging.getLogger("kvtier.router")
@@ -69,6 +72,9 @@ class RouterSettings:
     #: ``vllm:cache_config_info``); 0: what it holds is not estimated (kvtier/router/engine_cache.py).
     engine_cache_blocks: int = 0
     max_body_bytes: int = 32 << 20
+    #: Decide without Locate when its answer is already known (``Router._held``). Off: Locate on
+    #: every request, for fleets where requests of one conversation also reach other routers.
+    skip_locate: bool = True
 
     def __post_init__(self) -> None:
         for name in ("poll_s", "health_timeout_s", "probe_s", "connect_timeout_s", "max_body_bytes"):
@@ -101,6 +107,12 @@ class Router:
         self.queue = QueueModel(e.name for e in self.engines)
         self.cached = EngineCacheView((e.name for e in self.engines), settings.engine_cache_blocks)
         self.chooser = Chooser(settings.edge)
+        #: Per engine, the blocks this router ever sent it (``_held``).
+        self.seen = {e.name: SeenBlocks() for e in self.engines}
+        #: Per node, the price of computing one block, from its last Locate answer (``_held``).
+        self._block_ms: dict[str, float] = {}
+        #: Tokens a block, from the daemons' Locate answers (0: none yet).
+        self._block_tokens = 0
         self._session: aiohttp.ClientSession | None = None
         self._watch: EngineWatch | None = None
         self._proxy: Proxy | None = None
@@ -180,15 +192,25 @@ class Router:
         prompt = request_prompt(kind, body, None)
         if prompt.why == NO_TOKENIZER and self.tokenizer is not None:
             prompt = await asyncio.to_thread(request_prompt, kind, body, self.tokenizer)
-        located = await self._locate(prompt)
         digests: tuple[bytes, ...] = ()
-        if located and prompt.tokens is not None:
-            bt = next(iter(located.values())).block_tokens
-            digests = self.cached.digests(prompt.tokens, prompt.salt, bt) if bt else ()
-        return await self._attempts(request, endpoint, "POST", raw, prompt.streaming, located, arrival, digests)
+        if prompt.tokens is not None and self._block_tokens:
+            digests = self.cached.digests(prompt.tokens, prompt.salt, self._block_tokens)
+        held = self._held(digests, time.monotonic()) if digests else None
+        located = None
+        if held is None:
+            located = await self._locate(prompt)
+            for node, a in (located or {}).items():
+                if a.requested_blocks and a.recompute_ms > a.tail_ms > 0:
+                    self._block_ms[node] = (a.recompute_ms - a.tail_ms) / a.requested_blocks
+            if located and prompt.tokens is not None:
+                bt = next(iter(located.values())).block_tokens
+                if bt != self._block_tokens:  # the first answer, or daemons reconfigured
+                    self._block_tokens = bt
+                    digests = self.cached.digests(prompt.tokens, prompt.salt, bt) if bt else ()
+        return await self._attempts(request, endpoint, "POST", raw, prompt.streaming, located, arrival, digests, held)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        return await self._attempts(request, request.path, "GET", b"", False, None, time.monotonic(), ())
+        return await self._attempts(request, request.path, "GET", b"", False, None, time.monotonic(), (), None)
 
     async def _health(self, request: web.Request) -> web.Response:
         assert self._watch is not None
@@ -211,6 +233,47 @@ class Router:
         if self.cache is None:
             return None
         return dict(await self.cache.locate(prompt.tokens, prompt.salt))
+
+    def _held(self, digests: tuple[bytes, ...], now: float) -> Choice | None:
+        """The choice without ``Locate`` when its answer cannot change it, or None: ask it.
+
+        Let ``r`` > 0 be the most leading blocks an engine that is up is believed to hold itself
+        (kvtier/router/engine_cache.py), and the holder the one of those with the shortest
+        queue. When this router sent none of the blocks after those ``r`` to any engine
+        (kvtier/router/seen_blocks.py: a conversation's new turn, a new question after a held
+        document), no node holds them; and an engine ``e`` whose first ``k`` blocks alone were
+        ever sent there can hold no more of the prompt than those. So no engine can cost less
+        than its queue wait plus the holder's price of the new blocks plus ``r - k`` blocks at its
+        node's price a block (its floor), and the holder costs that price at its own queue. The
+        price of the new blocks is the holder's measured mean prefill; a block's, ``(recompute_ms
+        - tail_ms) / requested_blocks`` of the node's last ``Locate`` answer (0 before one).
+        ``Chooser.held`` decides; before a prefill was measured, None.
+
+        With ``r`` = 0 Locate is always asked: blocks this router never sent may still be in a
+        node's tiers, saved before it started or through another router."""
+        assert self._watch is not None
+        if self.cache is None or not self.settings.skip_locate:
+            return None
+        up = self._watch.up_engines()
+        resident = {e.name: self.cached.resident(e.name, digests) for e in up}
+        r = max(resident.values(), default=0)
+        if not r or not all(f.none_seen(digests[r:]) for f in self.seen.values()):
+            return None
+        est = {e.name: self.queue.predict(e.name, now, 0.0) for e in up}
+        holder = min((n for n, k in resident.items() if k == r), key=lambda n: (est[n].wait_s, est[n].load))
+        price = self.queue.prefill_s(holder)
+        if price is None:
+            return None
+        floors = []
+        for e in up:
+            k = max(resident[e.name], self.seen[e.name].leading(digests[:r]))
+            extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3
+            floors.append(Candidate(e.name, est[e.name].wait_s, price + extra_s, est[e.name].load))
+        mine = Candidate(holder, est[holder].wait_s, price, est[holder].load)
+        choice = self.chooser.held(mine, floors, now)
+        if choice is not None:
+            self.metrics.locate_skipped.inc()
+        return choice
 
     def _candidates(self, engines: Sequence[EngineSpec], located: dict[str, Located] | None,
                     now: float, digests: tuple[bytes, ...]) -> list[Candidate]:
@@ -237,7 +300,9 @@ class Router:
 
     async def _attempts(self, request: web.Request, endpoint: str, method: str, raw: bytes, streaming: bool,
                         located: dict[str, Located] | None, arrival: float,
-                        digests: tuple[bytes, ...]) -> web.StreamResponse:
+                        digests: tuple[bytes, ...], held: Choice | None) -> web.StreamResponse:
+        """Up to ``max_attempts`` engines in turn; the first is ``held`` when it was decided
+        without Locate (a retry then has no node's price: the queues decide)."""
         assert self._watch is not None and self._proxy is not None
         tried: list[str] = []
         failures: list[str] = []
@@ -247,7 +312,11 @@ class Router:
                 break
             now = time.monotonic()
             # A first attempt the cache decided counts in the chooser's rate; a retry is not an arrival.
-            choice = self.chooser.choose(self._candidates(up, located, now, digests), now if attempt == 0 else None)
+            if attempt == 0 and held is not None:
+                choice = held
+            else:
+                choice = self.chooser.choose(self._candidates(up, located, now, digests),
+                                             now if attempt == 0 else None)
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
             self.metrics.routed.labels(engine.name, choice.reason).inc()
@@ -256,6 +325,7 @@ class Router:
             self.metrics.predicted_ttft.labels(engine.name).observe(choice.predicted_s)
             ticket = self.queue.sent(engine.name, now, streaming=streaming, expected_first_s=choice.predicted_s)
             pending = self.cached.sent(engine.name, digests)
+            self.seen[engine.name].add(digests)
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
 
             def first_byte(status: int, ticket=ticket, engine=engine, pending=pending) -> None:

@@ -13,8 +13,8 @@ reach it before that first token::
 
     cost = predicted + service x rate_e x predicted
 
-with ``rate_e`` the requests this chooser sent to that engine *for its cache* (reason ``cache``,
-below) per second over the last ``RATE_WINDOW_S`` (the caller gives the arrival times; a retry is
+with ``rate_e`` the requests this chooser sent to that engine *for its cache* (reason ``cache``
+or ``held``, below) per second over the last ``RATE_WINDOW_S`` (the caller gives the arrival times; a retry is
 not an arrival). Without the term a request that finds its prefix on a busy engine recomputes it
 on an idle one whenever that is faster for itself; at high load those recomputations use up the
 capacity every later request needs. The requests that will wait behind this one are those bound
@@ -42,9 +42,15 @@ loaded of them wins, then the next in a rotation. The reason says which rule dec
                (its node holds more of the prefix, or in a cheaper tier)
     queue      one engine alone was best, by a shorter queue
     balanced   several were tied; the load (then the rotation) chose
+    held       decided before ``Locate`` was asked (``held``, below)
 
-The fleet simulator's ``kvtier`` policy (benchmarks/fleet_sim/policies/kvtier.py) decides with
-this same class, so the simulated figures are those of this rule.
+Before asking ``Locate`` the router may know its answer cannot change the choice (``held``;
+kvtier/router/app.py says when): an engine believed to hold the prompt's leading blocks itself,
+priced at computing the rest, and every other engine priced at no more than it can cost
+whatever its node holds (its floor). When the holder's cost is lower than every floor by more
+than the edge, ``Locate`` could only confirm it as the ``cache`` choice: the holder takes the
+request, counted in its rate like ``cache``. Anything closer is left to ``Locate``, where a tie
+may spread the request to another engine.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-CACHE, QUEUE, BALANCED = "cache", "queue", "balanced"
+CACHE, QUEUE, BALANCED, HELD = "cache", "queue", "balanced", "held"
 #: Seconds of arrivals the rate estimate covers.
 RATE_WINDOW_S = 30.0
 
@@ -104,7 +110,7 @@ class Chooser:
         self._counts: dict[str, int] = {}  # per engine, its entries in _arrivals
 
     def rates(self, now: float) -> dict[str, float]:
-        """Per engine, the requests this chooser sent it for its cache (reason ``cache``) per
+        """Per engine, the requests this chooser sent it for its cache (reason ``cache`` or ``held``) per
         second over the window ending at ``now`` (non-decreasing); an engine sent none in the
         window is absent (0)."""
         arr, counts = self._arrivals, self._counts
@@ -114,6 +120,22 @@ class Chooser:
             if not counts[engine]:
                 del counts[engine]
         return {e: n / self.window_s for e, n in counts.items()}
+
+    def held(self, holder: Candidate, floors: Sequence[Candidate], now: float) -> Choice | None:
+        """The choice without ``Locate`` (module docstring), or None: ask it. ``holder`` is priced
+        at what it lacks; ``floors`` (the holder among them is skipped) each engine at no more
+        than it can cost. The holder must beat every floor by more than the edge."""
+        rates = self.rates(now)
+
+        def cost(c: Candidate) -> float:
+            return c.predicted_s * (1.0 + c.service_s * rates.get(c.engine, 0.0))
+
+        mine = cost(holder)
+        margin = max(self.edge.edge_s, self.edge.edge_rel * mine)
+        if any(cost(o) <= mine + margin for o in floors if o.engine != holder.engine):
+            return None
+        self._count(now, holder.engine)
+        return Choice(holder.engine, HELD, holder.predicted_s)
 
     def choose(self, candidates: Sequence[Candidate], now: float | None = None) -> Choice:
         assert candidates, "no candidate"
@@ -133,6 +155,9 @@ class Chooser:
             self._turn += 1
             choice = Choice(c.engine, BALANCED, c.predicted_s)
         if now is not None and choice.reason == CACHE:
-            self._arrivals.append((now, choice.engine))
-            self._counts[choice.engine] = self._counts.get(choice.engine, 0) + 1
+            self._count(now, choice.engine)
         return choice
+
+    def _count(self, now: float, engine: str) -> None:
+        self._arrivals.append((now, engine))
+        self._counts[engine] = self._counts.get(engine, 0) + 1

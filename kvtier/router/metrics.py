@@ -24,7 +24,7 @@ class RouterMetrics:
                                 "unavailable: no engine could answer, failed_mid_response, client_gone)",
                                 ["endpoint", "outcome"], registry=r)
         self.routed = Counter("kvtier_router_routed", "Attempts sent to an engine, by why it was chosen "
-                              "(cache, queue, balanced)", ["engine", "reason"], registry=r)
+                              "(cache, queue, balanced, held: without Locate)", ["engine", "reason"], registry=r)
         self.unlocated = Counter("kvtier_router_unlocated", "Requests routed without token ids for Locate, "
                                  "by reason (batch, no_tokenizer, not_text, ...)", ["reason"], registry=r)
         self.attempt_failures = Counter("kvtier_router_attempt_failures", "Attempts that failed before any byte "
@@ -43,6 +43,9 @@ class RouterMetrics:
         self.membership_refreshes = Counter("kvtier_router_membership_refreshes", "Reads of the membership "
                                             "source (--members k8s://...), by outcome (ok, failed, empty: "
                                             "both keep the last membership)", ["outcome"], registry=r)
+        self.locate_skipped = Counter("kvtier_router_locate_skipped", "Requests decided without a fleet "
+                                      "Locate: no node could hold more of the prompt than the engines "
+                                      "themselves", registry=r)
         self.locate_seconds = Histogram("kvtier_router_locate_seconds", "Time of one fleet Locate",
                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.decision_seconds = Histogram("kvtier_router_decision_seconds", "Time the router adds before a "

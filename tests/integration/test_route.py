@@ -237,6 +237,67 @@ def test_a_queue_outweighs_a_cache_edge(fleet: Fleet) -> None:
     assert (again.engine, again.route) == ("b", "cache")
 
 
+def _locates(url: str) -> float:
+    return sum(metric(url, "kvtier_router_locate_answers_total", node=n, status="ok") for n in "ab")
+
+
+def test_a_new_turn_on_the_engine_that_computed_its_history_is_decided_without_locate(fleet: Fleet) -> None:
+    """A router that knows its engines' cache sizes: the second turn of a conversation adds blocks
+    it never sent anywhere, so no node holds more of it than the engine that computed the first
+    turn; it goes there without a Locate (``held``). Controls: a prefix saved in a daemon that
+    this router never sent is still Located; a turn whose holder is busy is Located and goes to
+    the idle engine; ``--locate-every-request`` asks for every request."""
+    f = fleet
+    alice = f.dep.salt("acme", "alice")
+    nodes = {n: p.address for n, p in f.nodes.items()}
+    engines = {n: f.engine_url(n) for n in f.engines}
+    sized = router(f.root / "sized", engines, nodes=nodes, token_file=f.token_file, tokenizer=f.tokenizer,
+                   extra=("--engine-cache-blocks", "1000"))
+    every = router(f.root / "every", engines, nodes=nodes, token_file=f.token_file, tokenizer=f.tokenizer,
+                   extra=("--engine-cache-blocks", "1000", "--locate-every-request"))
+    try:
+        for r in (sized, every):
+            turn1 = list(range(6000, 6000 + 3 * BT + 1)) if r is sized else list(range(7000, 7000 + 3 * BT + 1))
+            turn2 = turn1 + list(range(turn1[0] + 500, turn1[0] + 500 + 2 * BT))
+            first = complete(r.ready["url"], turn1, alice, stream=True)
+            assert first.route == "balanced" and _locates(r.ready["url"]) == 2  # nothing held: Located
+            second = complete(r.ready["url"], turn2, alice, stream=True)
+            assert second.engine == first.engine
+            if r is sized:
+                assert second.route == "held" and _locates(r.ready["url"]) == 2
+                assert metric(r.ready["url"], "kvtier_router_locate_skipped_total") == 1
+                assert metric(r.ready["url"], "kvtier_router_routed_total", engine=first.engine, reason="held") == 1
+            else:
+                assert second.route == "cache" and _locates(r.ready["url"]) == 4
+                assert metric(r.ready["url"], "kvtier_router_locate_skipped_total") == 0
+            assert second.body == complete(f.engine_url(first.engine), turn2, alice, stream=True).body
+
+        # A prefix in b's daemon that this router never sent: Located, and b's cache wins.
+        u = sized.ready["url"]
+        doc = list(range(11000, 11000 + 5 * BT + 1))  # this test's own: the fleet's daemons keep it
+        f.store("b", alice, doc)
+        stored = complete(u, doc, alice, stream=True)
+        assert (stored.engine, stored.route) == ("b", "cache") and _locates(u) == 4
+
+        # Its holder busy (1.5 s a prefill, one request there): the new turn is Located and goes
+        # to the other engine, whose floor is lower.
+        f.prefill("b", 1500)
+        turn = doc + list(range(9000, 9000 + BT))
+        for i in range(2):  # b's measured prefill rises to about a second
+            complete(u, [*turn, 9999 - i], alice, stream=True)
+        assert 0.5 < metric(u, "kvtier_router_prefill_seconds", engine="b") < 10
+        busy = threading.Thread(target=lambda: complete(u, [*turn, 9990], alice, stream=True))
+        busy.start()
+        until(lambda: health(u)["engines"]["b"]["inflight"] == 1, what="b busy")
+        located = _locates(u)
+        moved = complete(u, turn + list(range(9100, 9100 + BT)), alice, stream=True)
+        busy.join(30)
+        assert moved.engine == "a" and moved.route == "queue" and _locates(u) == located + 2
+    finally:
+        sized.stop()
+        every.stop()
+
+
 def test_a_client_leaving_mid_stream_ends_the_engines_request(fleet: Fleet) -> None:
     f = fleet
     for name in f.engines:

@@ -26,6 +26,8 @@ from benchmarks.fleet_sim.view import FleetView
 class Choice:
     node: int
     fresh: int  # the same policy's choice on up-to-date information (== node when it had it)
+    #: Seconds this decision took (None: the policy's ``decision_delay_s``).
+    delay_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +39,8 @@ class PolicyContext:
     rng: np.random.Generator
     #: Seconds kvtier's scatter-gather ``Locate`` adds to each request it routes.
     locate_s: float = 0.0
+    #: kvtier asks Locate for every request (``kvtier route --locate-every-request``).
+    locate_every_request: bool = False
 
 
 class Policy(ABC):

@@ -64,6 +64,11 @@ class Kvtier(Policy):
         self._head_since = [0.0] * n
         self._predicted = [0.0] * n
         self.chooser = Chooser(Edge())
+        self._delay = self.decision_delay_s  # the last choice's
+        # Blocks routed to each node, and anywhere (kvtier route: a SeenBlocks per engine).
+        self._sent: list[set[int]] = [set() for _ in range(n)]
+        self._routed_anywhere: set[int] = set()
+        self.held = 0  # decisions made without Locate
         self._names = [str(i) for i in range(n)]
         # kvtier route's own record of what each engine computed, at each node's GPU capacity.
         self.computed = EngineCacheView(self._names, default_blocks=0)
@@ -78,6 +83,10 @@ class Kvtier(Policy):
 
     def choose(self, req: SimRequest, now: float) -> Choice:
         pricer = self.ctx.pricer
+        fast = self._held(req, now)
+        if fast is not None:
+            return fast
+        self._delay = self.decision_delay_s
         arrive = now + self.decision_delay_s
         service = []
         for i, tiers in enumerate(self.view.locate(req)):
@@ -91,11 +100,40 @@ class Kvtier(Policy):
         node = int(self.chooser.choose(candidates, now).engine)
         return Choice(node, node)
 
+    def _held(self, req: SimRequest, now: float) -> Choice | None:
+        """``kvtier route``'s decision without Locate (``Router._held``, ``Chooser.held``): some
+        node's engine holds ``r`` > 0 leading blocks and no block after them was ever routed
+        anywhere; each node's floor is its queue plus the price of the request with the leading
+        blocks ever routed to it (at most ``r``) held in its GPU, the cheapest tier. Priced by
+        the cost model, where ``kvtier route`` uses measured prefill and Locate's block price."""
+        if self.ctx.locate_every_request:
+            return None
+        resident = [self.computed.resident(name, req.keys) for name in self._names]
+        r = max(resident)
+        if not r or any(k in self._routed_anywhere for k in req.keys[r:]):
+            return None
+        pricer, load = self.ctx.pricer, self.view.inflight
+        floors = []
+        for i, name in enumerate(self._names):
+            k = resident[i]
+            while k < r and req.keys[k] in self._sent[i]:
+                k += 1
+            floors.append(Candidate(name, self.wait_s(i, now), pricer.plan(req, [GPU] * k).seconds, load[i]))
+        g = min((i for i, k in enumerate(resident) if k == r), key=lambda i: (floors[i].wait_s, load[i]))
+        if self.chooser.held(floors[g], floors, now) is None:
+            return None
+        self.held += 1
+        self._delay = 0.0
+        self._predicted = [c.service_s for c in floors]
+        return Choice(g, g, delay_s=0.0)
+
     def routed(self, req: SimRequest, node: int, now: float) -> None:
         self._pending[req.rid] = self.computed.sent(self._names[node], req.keys)
+        self._sent[node].update(req.keys)
+        self._routed_anywhere.update(req.keys)
         q = self._queued[node]
         if not q:
-            self._head_since[node] = now + self.decision_delay_s
+            self._head_since[node] = now + self._delay
         q.append((req.rid, self._predicted[node]))
         self._queued_s[node] += self._predicted[node]
 
@@ -103,7 +141,10 @@ class Kvtier(Policy):
         # Pending there since it was routed (a node serves its queue in order); computed now.
         self.computed.computed(self._pending.pop(req.rid))
         q = self._queued[node]
-        rid, predicted = q.popleft()
-        assert rid == req.rid, "a node serves its queue first come, first served"
+        # In arrival order at the node, which a request decided without Locate (no delay) can
+        # reach before one routed just before it: the entry is found by id, not taken first.
+        entry = next(e for e in q if e[0] == req.rid)
+        q.remove(entry)
+        predicted = entry[1]
         self._queued_s[node] = self._queued_s[node] - predicted if q else 0.0
         self._head_since[node] = now

@@ -10,8 +10,9 @@ import pytest
 from benchmarks.fleet_sim.events import Staleness
 from benchmarks.fleet_sim.multitenant import multitenant
 from benchmarks.fleet_sim.policies import EVENT_FED, POLICY_ORDER
-from benchmarks.fleet_sim.requests import key_scope
+from benchmarks.fleet_sim.requests import from_trace, key_scope
 from benchmarks.fleet_sim.simulator import simulate
+from benchmarks.workloads import generate
 from kvtier.errors import ConfigError
 
 
@@ -30,7 +31,7 @@ def test_one_node_makes_every_policy_the_same(tenants_wl, pricer, small):
 
 def test_locate_latency_shifts_every_ttft_on_one_node(tenants_wl, pricer, small):
     base = simulate(tenants_wl, 1, "round_robin", small(), pricer)
-    mine = simulate(tenants_wl, 1, "kvtier", small(locate_s=0.002), pricer)
+    mine = simulate(tenants_wl, 1, "kvtier", small(locate_s=0.002, locate_every_request=True), pricer)
     assert mine.reused_tokens_by_tier == base.reused_tokens_by_tier
     assert all(m - b == pytest.approx(0.002, abs=1e-9) for m, b in zip(mine.ttft_s, base.ttft_s, strict=True))
 
@@ -128,3 +129,16 @@ def test_warmup_requests_run_but_are_not_counted(tenants_wl, pricer, small):
     assert warm.input_tokens == sum(r.input_tokens for r in tenants_wl.requests[100:])
     with pytest.raises(ConfigError, match="warm-up"):
         simulate(tenants_wl, 2, "cache_aware", small(warmup_requests=300), pricer)
+
+
+def test_requests_decided_without_locate_skip_its_latency(pricer, small):
+    """Conversations on one node: every new turn extends a history the node computed with blocks
+    routed nowhere, so it is decided without Locate and pays none of its latency; the control
+    asks Locate for every request and pays it on every one."""
+    wl = from_trace(generate("conversations", 1, 200)).rescaled(0.2)  # turns far apart: no queue
+    held = simulate(wl, 1, "kvtier", small(locate_s=0.002, gpu_blocks=4000), pricer)
+    every = simulate(wl, 1, "kvtier", small(locate_s=0.002, gpu_blocks=4000, locate_every_request=True), pricer)
+    base = simulate(wl, 1, "round_robin", small(gpu_blocks=4000), pricer)
+    shifts = [round(m - b, 9) for m, b in zip(held.ttft_s, base.ttft_s, strict=True)]
+    assert set(shifts) == {0.0, 0.002} and shifts.count(0.0) > len(shifts) // 2
+    assert all(round(m - b, 9) == 0.002 for m, b in zip(every.ttft_s, base.ttft_s, strict=True))
