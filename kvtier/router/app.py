@@ -238,16 +238,17 @@ class Router:
         """The choice without ``Locate`` when its answer cannot change it, or None: ask it.
 
         Let ``r`` > 0 be the most leading blocks an engine that is up is believed to hold itself
-        (kvtier/router/engine_cache.py), and the holder the one of those with the shortest
-        queue. When this router sent none of the blocks after those ``r`` to any engine
+        (kvtier/router/engine_cache.py), and the holders the engines that hold them. When this
+        router sent none of the blocks after those ``r`` to any engine
         (kvtier/router/seen_blocks.py: a conversation's new turn, a new question after a held
-        document), no node holds them; and an engine ``e`` whose first ``k`` blocks alone were
-        ever sent there can hold no more of the prompt than those. So no engine can cost less
-        than its queue wait plus the holder's price of the new blocks plus ``r - k`` blocks at its
-        node's price a block (its floor), and the holder costs that price at its own queue. The
-        price of the new blocks is the holder's measured mean prefill; a block's, ``(recompute_ms
-        - tail_ms) / requested_blocks`` of the node's last ``Locate`` answer (0 before one).
-        ``Chooser.held`` decides; before a prefill was measured, None.
+        document), no node holds them; and an engine whose first ``k`` blocks alone were ever
+        sent there can hold no more of the prompt than those. So a holder costs its queue wait
+        plus computing the new blocks, and no other engine can cost less than its own queue wait
+        plus the same plus ``r - k`` blocks at its node's price a block (its floor).
+        ``Chooser.held`` decides. The new blocks are priced at the holders' measured mean prefill
+        (the highest: one price for all, as Locate's would be); a block at ``(recompute_ms -
+        tail_ms) / requested_blocks`` of the node's last ``Locate`` answer (0 before one). Before
+        any holder's prefill was measured, None.
 
         With ``r`` = 0 Locate is always asked: blocks this router never sent may still be in a
         node's tiers, saved before it started or through another router."""
@@ -259,18 +260,20 @@ class Router:
         r = max(resident.values(), default=0)
         if not r or not all(f.none_seen(digests[r:]) for f in self.seen.values()):
             return None
-        est = {e.name: self.queue.predict(e.name, now, 0.0) for e in up}
-        holder = min((n for n, k in resident.items() if k == r), key=lambda n: (est[n].wait_s, est[n].load))
-        price = self.queue.prefill_s(holder)
-        if price is None:
+        measured = [p for p in (self.queue.prefill_s(n) for n, k in resident.items() if k == r) if p is not None]
+        if not measured:
             return None
-        floors = []
+        price = max(measured)
+        holders, floors = [], []
         for e in up:
-            k = max(resident[e.name], self.seen[e.name].leading(digests[:r]))
-            extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3
-            floors.append(Candidate(e.name, est[e.name].wait_s, price + extra_s, est[e.name].load))
-        mine = Candidate(holder, est[holder].wait_s, price, est[holder].load)
-        choice = self.chooser.held(mine, floors, now)
+            q = self.queue.predict(e.name, now, 0.0)
+            if resident[e.name] == r:
+                holders.append(Candidate(e.name, q.wait_s, price, q.load))
+            else:
+                k = max(resident[e.name], self.seen[e.name].leading(digests[:r]))
+                extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3
+                floors.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
+        choice = self.chooser.held(holders, floors, now)
         if choice is not None:
             self.metrics.locate_skipped.inc()
         return choice

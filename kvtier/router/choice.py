@@ -45,12 +45,14 @@ loaded of them wins, then the next in a rotation. The reason says which rule dec
     held       decided before ``Locate`` was asked (``held``, below)
 
 Before asking ``Locate`` the router may know its answer cannot change the choice (``held``;
-kvtier/router/app.py says when): an engine believed to hold the prompt's leading blocks itself,
-priced at computing the rest, and every other engine priced at no more than it can cost
-whatever its node holds (its floor). When the holder's cost is lower than every floor by more
-than the edge, ``Locate`` could only confirm it as the ``cache`` choice: the holder takes the
-request, counted in its rate like ``cache``. Anything closer is left to ``Locate``, where a tie
-may spread the request to another engine.
+kvtier/router/app.py says when): the engines believed to hold the most of the prompt's leading
+blocks themselves, each priced at computing the rest, and every other engine priced at no more
+than it can cost whatever its node holds (its floor). When every floor lies beyond the edge of
+the best holder, ``Locate`` could only find the same prices for the holders and higher ones for
+the rest, so the holders are chosen among without it, by the same rule: a holder that alone
+wins with a lower price than every other engine's is ``held`` (counted in its rate like
+``cache``); tied holders are ``balanced``; one ahead by its queue alone is ``queue``. Any floor
+closer is left to ``Locate``, where a tie may spread the request to that engine.
 """
 
 from __future__ import annotations
@@ -121,40 +123,47 @@ class Chooser:
                 del counts[engine]
         return {e: n / self.window_s for e, n in counts.items()}
 
-    def held(self, holder: Candidate, floors: Sequence[Candidate], now: float) -> Choice | None:
-        """The choice without ``Locate`` (module docstring), or None: ask it. ``holder`` is priced
-        at what it lacks; ``floors`` (the holder among them is skipped) each engine at no more
-        than it can cost. The holder must beat every floor by more than the edge."""
-        rates = self.rates(now)
+    def held(self, holders: Sequence[Candidate], floors: Sequence[Candidate], now: float) -> Choice | None:
+        """The choice without ``Locate`` (module docstring), or None: ask it. ``holders``: the
+        engines believed to hold the most of the prompt themselves, priced at what they lack;
+        ``floors``: every other engine, at no more than it can cost. Every floor must lie beyond
+        the edge of the best holder; the holders are then chosen among as ``choose`` would, and a
+        choice ``choose`` would call ``cache`` is called ``held``."""
+        assert holders, "no holder"
+        return self._decide(holders, floors, now)
+
+    def choose(self, candidates: Sequence[Candidate], now: float | None = None) -> Choice:
+        assert candidates, "no candidate"
+        choice = self._decide(candidates, None, now)
+        assert choice is not None
+        return choice
+
+    def _decide(self, candidates: Sequence[Candidate], floors: Sequence[Candidate] | None,
+                now: float | None) -> Choice | None:
+        rates = {} if now is None else self.rates(now)
 
         def cost(c: Candidate) -> float:
             return c.predicted_s * (1.0 + c.service_s * rates.get(c.engine, 0.0))
 
-        mine = cost(holder)
-        margin = max(self.edge.edge_s, self.edge.edge_rel * mine)
-        if any(cost(o) <= mine + margin for o in floors if o.engine != holder.engine):
-            return None
-        self._count(now, holder.engine)
-        return Choice(holder.engine, HELD, holder.predicted_s)
-
-    def choose(self, candidates: Sequence[Candidate], now: float | None = None) -> Choice:
-        assert candidates, "no candidate"
-        rates = {} if now is None else self.rates(now)
-        cost = [c.predicted_s * (1.0 + c.service_s * rates.get(c.engine, 0.0)) for c in candidates]
-        best = min(cost)
+        costs = [cost(c) for c in candidates]
+        best = min(costs)
         margin = max(self.edge.edge_s, self.edge.edge_rel * best)
-        tied = [c for c, k in zip(candidates, cost, strict=True) if k <= best + margin]
+        if floors is not None and any(cost(f) <= best + margin for f in floors):
+            return None
+        tied = [c for c, k in zip(candidates, costs, strict=True) if k <= best + margin]
         if len(tied) == 1:
             c = tied[0]
-            others = [o.service_s for o in candidates if o is not c]
-            choice = Choice(c.engine, CACHE if others and c.service_s < min(others) else QUEUE, c.predicted_s)
+            others = [o.service_s for o in (*candidates, *(floors or ())) if o is not c]
+            won = others and c.service_s < min(others)
+            reason = QUEUE if not won else CACHE if floors is None else HELD
+            choice = Choice(c.engine, reason, c.predicted_s)
         else:
             least = min(c.load for c in tied)
             pool = [c for c in tied if c.load == least]
             c = pool[self._turn % len(pool)]
             self._turn += 1
             choice = Choice(c.engine, BALANCED, c.predicted_s)
-        if now is not None and choice.reason == CACHE:
+        if now is not None and choice.reason in (CACHE, HELD):
             self._count(now, choice.engine)
         return choice
 

@@ -102,10 +102,11 @@ class Kvtier(Policy):
 
     def _held(self, req: SimRequest, now: float) -> Choice | None:
         """``kvtier route``'s decision without Locate (``Router._held``, ``Chooser.held``): some
-        node's engine holds ``r`` > 0 leading blocks and no block after them was ever routed
-        anywhere; each node's floor is its queue plus the price of the request with the leading
-        blocks ever routed to it (at most ``r``) held in its GPU, the cheapest tier. Priced by
-        the cost model, where ``kvtier route`` uses measured prefill and Locate's block price."""
+        nodes' engines hold ``r`` > 0 leading blocks and no block after them was ever routed
+        anywhere; the holders priced with ``r`` blocks in their GPU, every other node at its
+        floor, the request with the leading blocks ever routed to it (at most ``r``) held in its
+        GPU, the cheapest tier. Priced by the cost model, where ``kvtier route`` uses measured
+        prefill and Locate's block price."""
         if self.ctx.locate_every_request:
             return None
         resident = [self.computed.resident(name, req.keys) for name in self._names]
@@ -113,19 +114,22 @@ class Kvtier(Policy):
         if not r or any(k in self._routed_anywhere for k in req.keys[r:]):
             return None
         pricer, load = self.ctx.pricer, self.view.inflight
-        floors = []
+        holders, floors, service = [], [], []
         for i, name in enumerate(self._names):
             k = resident[i]
             while k < r and req.keys[k] in self._sent[i]:
                 k += 1
-            floors.append(Candidate(name, self.wait_s(i, now), pricer.plan(req, [GPU] * k).seconds, load[i]))
-        g = min((i for i, k in enumerate(resident) if k == r), key=lambda i: (floors[i].wait_s, load[i]))
-        if self.chooser.held(floors[g], floors, now) is None:
+            c = Candidate(name, self.wait_s(i, now), pricer.plan(req, [GPU] * k).seconds, load[i])
+            (holders if resident[i] == r else floors).append(c)
+            service.append(c.service_s)
+        choice = self.chooser.held(holders, floors, now)
+        if choice is None:
             return None
         self.held += 1
         self._delay = 0.0
-        self._predicted = [c.service_s for c in floors]
-        return Choice(g, g, delay_s=0.0)
+        self._predicted = service
+        node = int(choice.engine)
+        return Choice(node, node, delay_s=0.0)
 
     def routed(self, req: SimRequest, node: int, now: float) -> None:
         self._pending[req.rid] = self.computed.sent(self._names[node], req.keys)

@@ -101,8 +101,8 @@ def test_only_the_requests_an_engines_cache_won_count_in_its_rate() -> None:
 def test_a_holder_that_beats_every_floor_by_the_edge_is_chosen_without_locate_and_counted() -> None:
     c = Chooser(Edge(0.001, 0.05))
     holder = Candidate("a", 0.0, 0.05, 0)
-    floors = [holder, Candidate("b", 0.0, 0.08, 0), Candidate("c", 0.02, 0.05, 0)]  # 0.08, 0.07 > 0.0525
-    got = c.held(holder, floors, now=100.0)
+    floors = [holder, Candidate("b", 0.0, 0.08, 0), Candidate("c", 0.02, 0.06, 0)]  # 0.08, 0.08 > 0.0525
+    got = c.held([holder], floors[1:], now=100.0)
     assert got is not None and (got.engine, got.reason, got.predicted_s) == ("a", HELD, 0.05)
     assert c.rates(100.0) == {"a": 1 / c.window_s}  # a cache arrival, like reason cache
 
@@ -111,14 +111,25 @@ def test_a_floor_within_the_edge_is_left_to_locate_which_may_find_a_tie() -> Non
     c = Chooser(Edge(0.001, 0.05))
     holder = Candidate("a", 0.0, 0.05, 0)
     # b's floor is 4 % above: b may turn out as cheap, a tie Locate would balance.
-    assert c.held(holder, [holder, Candidate("b", 0.0, 0.052, 0)], now=0.0) is None
-    # Another holder (the same floor) and a queue ahead of the holder: Locate too.
-    assert c.held(holder, [holder, Candidate("b", 0.0, 0.05, 0)], now=0.0) is None
+    assert c.held([holder], [Candidate("b", 0.0, 0.052, 0)], now=0.0) is None
+    # A queue ahead of the holder: Locate too.
     busy = Candidate("a", 0.03, 0.05, 1)
-    assert c.held(busy, [busy, Candidate("b", 0.0, 0.07, 0)], now=0.0) is None
+    assert c.held([busy], [Candidate("b", 0.0, 0.07, 0)], now=0.0) is None
     assert c.rates(0.0) == {}  # nothing counted
     # Control: 6 % above, the holder wins.
-    assert c.held(holder, [holder, Candidate("b", 0.0, 0.053, 0)], now=0.0) is not None
+    assert c.held([holder], [Candidate("b", 0.0, 0.053, 0)], now=0.0) is not None
+
+
+def test_holders_are_chosen_among_as_choose_would_with_no_floor_near() -> None:
+    c = Chooser(Edge(0.001, 0.05))
+    far = [Candidate("c", 0.0, 0.2, 0)]
+    tied = [Candidate("a", 0.0, 0.05, 2), Candidate("b", 0.0, 0.05, 1)]
+    got = c.held(tied, far, now=0.0)
+    assert got is not None and (got.engine, got.reason) == ("b", BALANCED)  # the least loaded
+    assert c.rates(0.0) == {}  # a tie is not the cache's: not counted
+    ahead = [Candidate("a", 0.03, 0.05, 1), Candidate("b", 0.0, 0.05, 0)]
+    got = c.held(ahead, far, now=0.0)
+    assert got is not None and (got.engine, got.reason) == ("b", QUEUE)
 
 
 def test_the_rate_its_cache_draws_can_leave_a_holder_to_locate() -> None:
@@ -126,8 +137,8 @@ def test_the_rate_its_cache_draws_can_leave_a_holder_to_locate() -> None:
     for t in range(10):
         c.choose([Candidate("a", 0.0, 0.01, 0), Candidate("b", 0.0, 0.5, 0)], now=float(t))
     assert c.rates(10.0) == {"a": 10 / c.window_s}
-    holder = Candidate("a", 0.0, 0.5, 0)
-    floors = [holder, Candidate("b", 0.0, 0.6, 0)]
+    holder = [Candidate("a", 0.0, 0.5, 0)]
+    floors = [Candidate("b", 0.0, 0.6, 0)]
     # a: 0.5 x (1 + 0.5 x 1/3) = 0.583 against b's 0.6: not beyond the 5 % edge.
     assert c.held(holder, floors, now=10.0) is None
     # Control: the rate gone (a long time later), 0.5 against 0.6 wins.
