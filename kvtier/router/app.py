@@ -8,9 +8,8 @@ Per request, in order:
 
 1. the body is read (at most ``max_body_bytes``: 413) and decoded (not a JSON object: 400);
 2. its token ids and ``cache_salt`` (kvtier/router/prompts.py), in a worker thread;
-3. unless an engine believed to hold every full block of the prompt wins without it
-   (``Chooser.held``, kvtier/router/choice.py), ``Locate`` on every node that is up
-   (kvtier/router/cache_view.py), when there are token ids;
+3. unless what the router knows bounds its answer (kvtier/router/held_rule.py), ``Locate`` on
+   every node that is up (kvtier/router/cache_view.py), when there are token ids;
 4. each engine that is up is priced: queue wait (kvtier/router/queue_model.py) + the cost of
    the request on its node, or of what the engine lacks where it is believed to hold the prefix
    itself (kvtier/router/engine_cache.py); the choice (kvtier/router/choice.py);
@@ -46,11 +45,11 @@ from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import error_body
+from kvtier.router.held_rule import HeldRule
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
 from kvtier.router.queue_model import QueueModel
-from kvtier.router.seen_blocks import SeenBlocks
 from kvtier.server.locate import Located
 
 log = logging.getLogger("kvtier.router")
@@ -107,10 +106,7 @@ class Router:
         self.queue = QueueModel(e.name for e in self.engines)
         self.cached = EngineCacheView((e.name for e in self.engines), settings.engine_cache_blocks)
         self.chooser = Chooser(settings.edge)
-        #: Per engine, the blocks this router ever sent it (``_held``).
-        self.seen = {e.name: SeenBlocks() for e in self.engines}
-        #: Per node, the price of computing one block, from its last Locate answer (``_held``).
-        self._block_ms: dict[str, float] = {}
+        self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser)
         #: Tokens a block, from the daemons' Locate answers (0: none yet).
         self._block_tokens = 0
         self._session: aiohttp.ClientSession | None = None
@@ -193,24 +189,26 @@ class Router:
         if prompt.why == NO_TOKENIZER and self.tokenizer is not None:
             prompt = await asyncio.to_thread(request_prompt, kind, body, self.tokenizer)
         digests: tuple[bytes, ...] = ()
-        if prompt.tokens is not None and self._block_tokens:
-            digests = self.cached.digests(prompt.tokens, prompt.salt, self._block_tokens)
-        held = self._held(digests, time.monotonic()) if digests else None
+        bt = self._block_tokens
+        if prompt.tokens is not None and bt:
+            digests = self.cached.digests(prompt.tokens, prompt.salt, bt)
+        held = self._held(digests) if digests else None
         located = None
         if held is None:
             located = await self._locate(prompt)
-            for node, a in (located or {}).items():
-                if a.requested_blocks and a.recompute_ms > a.tail_ms > 0:
-                    self._block_ms[node] = (a.recompute_ms - a.tail_ms) / a.requested_blocks
             if located and prompt.tokens is not None:
-                bt = next(iter(located.values())).block_tokens
-                if bt != self._block_tokens:  # the first answer, or daemons reconfigured
-                    self._block_tokens = bt
-                    digests = self.cached.digests(prompt.tokens, prompt.salt, bt) if bt else ()
-        return await self._attempts(request, endpoint, "POST", raw, prompt.streaming, located, arrival, digests, held)
+                answer_bt = next(iter(located.values())).block_tokens
+                if answer_bt != bt:  # this request digested before the size was known, or with another
+                    if answer_bt != self._block_tokens:
+                        self._block_tokens = answer_bt
+                        self.held_rule.block_tokens(answer_bt)
+                    digests = self.cached.digests(prompt.tokens, prompt.salt, answer_bt) if answer_bt else ()
+            if located:
+                self.held_rule.located(digests, located)
+        return await self._attempts(request, endpoint, "POST", raw, prompt, located, arrival, digests, held)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        return await self._attempts(request, request.path, "GET", b"", False, None, time.monotonic(), (), None)
+        return await self._attempts(request, request.path, "GET", b"", None, None, time.monotonic(), (), None)
 
     async def _health(self, request: web.Request) -> web.Response:
         assert self._watch is not None
@@ -234,46 +232,12 @@ class Router:
             return None
         return dict(await self.cache.locate(prompt.tokens, prompt.salt))
 
-    def _held(self, digests: tuple[bytes, ...], now: float) -> Choice | None:
-        """The choice without ``Locate`` when its answer cannot change it, or None: ask it.
-
-        Let ``r`` > 0 be the most leading blocks an engine that is up is believed to hold itself
-        (kvtier/router/engine_cache.py), and the holders the engines that hold them. When this
-        router sent none of the blocks after those ``r`` to any engine
-        (kvtier/router/seen_blocks.py: a conversation's new turn, a new question after a held
-        document), no node holds them; and an engine whose first ``k`` blocks alone were ever
-        sent there can hold no more of the prompt than those. So a holder costs its queue wait
-        plus computing the new blocks, and no other engine can cost less than its own queue wait
-        plus the same plus ``r - k`` blocks at its node's price a block (its floor).
-        ``Chooser.held`` decides. The new blocks are priced at the holders' measured mean prefill
-        (the highest: one price for all, as Locate's would be); a block at ``(recompute_ms -
-        tail_ms) / requested_blocks`` of the node's last ``Locate`` answer (0 before one). Before
-        any holder's prefill was measured, None.
-
-        With ``r`` = 0 Locate is always asked: blocks this router never sent may still be in a
-        node's tiers, saved before it started or through another router."""
+    def _held(self, digests: tuple[bytes, ...]) -> Choice | None:
+        """The choice without Locate (kvtier/router/held_rule.py), or None: ask it."""
         assert self._watch is not None
         if self.cache is None or not self.settings.skip_locate:
             return None
-        up = self._watch.up_engines()
-        resident = {e.name: self.cached.resident(e.name, digests) for e in up}
-        r = max(resident.values(), default=0)
-        if not r or not all(f.none_seen(digests[r:]) for f in self.seen.values()):
-            return None
-        measured = [p for p in (self.queue.prefill_s(n) for n, k in resident.items() if k == r) if p is not None]
-        if not measured:
-            return None
-        price = max(measured)
-        holders, floors = [], []
-        for e in up:
-            q = self.queue.predict(e.name, now, 0.0)
-            if resident[e.name] == r:
-                holders.append(Candidate(e.name, q.wait_s, price, q.load))
-            else:
-                k = max(resident[e.name], self.seen[e.name].leading(digests[:r]))
-                extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3
-                floors.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
-        choice = self.chooser.held(holders, floors, now)
+        choice = self.held_rule.decide(self._watch.up_engines(), digests, time.monotonic())
         if choice is not None:
             self.metrics.locate_skipped.inc()
         return choice
@@ -301,12 +265,13 @@ class Router:
             out.append(Candidate(e.name, q.wait_s, service, q.load))
         return out
 
-    async def _attempts(self, request: web.Request, endpoint: str, method: str, raw: bytes, streaming: bool,
-                        located: dict[str, Located] | None, arrival: float,
+    async def _attempts(self, request: web.Request, endpoint: str, method: str, raw: bytes,
+                        prompt: RequestPrompt | None, located: dict[str, Located] | None, arrival: float,
                         digests: tuple[bytes, ...], held: Choice | None) -> web.StreamResponse:
         """Up to ``max_attempts`` engines in turn; the first is ``held`` when it was decided
-        without Locate (a retry then has no node's price: the queues decide)."""
+        without Locate (a retry then asks it). ``prompt``: None for a request without one."""
         assert self._watch is not None and self._proxy is not None
+        streaming = prompt is not None and prompt.streaming
         tried: list[str] = []
         failures: list[str] = []
         for attempt in range(self.settings.max_attempts):
@@ -318,6 +283,11 @@ class Router:
             if attempt == 0 and held is not None:
                 choice = held
             else:
+                if held is not None and located is None and prompt is not None:
+                    located = await self._locate(prompt)  # the held engine failed: price the rest
+                    if located:
+                        self.held_rule.located(digests, located)
+                    now = time.monotonic()
                 choice = self.chooser.choose(self._candidates(up, located, now, digests),
                                              now if attempt == 0 else None)
             engine = self.by_name[choice.engine]
@@ -328,7 +298,8 @@ class Router:
             self.metrics.predicted_ttft.labels(engine.name).observe(choice.predicted_s)
             ticket = self.queue.sent(engine.name, now, streaming=streaming, expected_first_s=choice.predicted_s)
             pending = self.cached.sent(engine.name, digests)
-            self.seen[engine.name].add(digests)
+            if prompt is not None:
+                self._record_sent(engine, prompt, digests)
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
 
             def first_byte(status: int, ticket=ticket, engine=engine, pending=pending) -> None:
@@ -365,6 +336,15 @@ class Router:
                 if e.name not in tried and not self._watch.up(e.name)]
         why = "; ".join(failures + down) or "no engine configured"
         return self._error(endpoint, 503, f"no engine could answer ({why})")
+
+    def _record_sent(self, engine: EngineSpec, prompt: RequestPrompt, digests: tuple[bytes, ...]) -> None:
+        """What the held rule must know of a prompt sent to ``engine`` (kvtier/router/held_rule.py)."""
+        if digests:
+            self.held_rule.sent(engine, digests)
+        elif prompt.tokens is None:
+            self.held_rule.sent_unknown(engine)
+        elif not self._block_tokens:
+            self.held_rule.sent_tokens(engine, prompt.tokens, prompt.salt)
 
     def _error(self, endpoint: str, status: int, message: str) -> web.Response:
         outcome = "unavailable" if status == 503 else "bad_request"

@@ -48,8 +48,9 @@ Before asking ``Locate`` the router may know its answer cannot change the choice
 kvtier/router/app.py says when): the engines believed to hold the most of the prompt's leading
 blocks themselves, each priced at computing the rest, and every other engine priced at no more
 than it can cost whatever its node holds (its floor). When every floor lies beyond the edge of
-the best holder, ``Locate`` could only find the same prices for the holders and higher ones for
-the rest, so the holders are chosen among without it, by the same rule: a holder that alone
+the best holder, ``Locate`` would find no other engine within it either (its answer prices the
+holders alike, and the others no lower than their floors), so the holders are chosen among
+without it, by the same rule: a holder that alone
 wins with a lower price than every other engine's is ``held`` (counted in its rate like
 ``cache``); tied holders are ``balanced``; one ahead by its queue alone is ``queue``. Any floor
 closer is left to ``Locate``, where a tie may spread the request to that engine.

@@ -1,16 +1,13 @@
-"""Which blocks this router has ever sent to one engine: a Bloom filter of their chain digests.
+"""A set of block digests that never says "absent" wrongly: a Bloom filter.
 
-A block lives in a node's tiers only after a request for it reached the node's engine (the
-connector saves what its engine computed, and keeps what it reloaded). So ``Locate`` cannot find
-on a node blocks this router never sent its engine, unless another router, or this one before a
-restart, sent them. The router uses one filter per engine to skip ``Locate`` when its answer is
-already known (kvtier/router/app.py, ``Chooser.held`` in kvtier/router/choice.py).
+The router keeps one per node (the blocks that may be in its tiers) and one for the fleet, to
+decide without ``Locate`` where its answer is bounded (kvtier/router/held_rule.py).
 
 A Bloom filter never forgets and never says "unseen" of a digest it was given; it may say "seen"
 of one it was not (a false positive, which only costs the request a ``Locate``). It has a fixed
-size: with ``bits`` of 2^24 (2 MiB an engine) and 4 probes, about 1 % of unseen digests read as
-seen after 1.5 million digests, 5 % after 2.5 million; as it fills the router asks ``Locate``
-more, never less. The digests are already keyed hashes (kvtier/router/engine_cache.py), so their own
+size: with ``bits`` of 2^24 (2 MiB) and 4 probes, about 1 % of unseen digests read as seen after
+1.5 million digests, 5 % after 2.5 million (2^27 bits: 12 and 20 million); as it fills the router
+asks ``Locate`` more, never less. The digests are already keyed hashes (kvtier/router/engine_cache.py), so their own
 bytes are the probes.
 
 Event-loop only (not thread-safe).

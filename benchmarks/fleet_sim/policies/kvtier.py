@@ -65,9 +65,10 @@ class Kvtier(Policy):
         self._predicted = [0.0] * n
         self.chooser = Chooser(Edge())
         self._delay = self.decision_delay_s  # the last choice's
-        # Blocks routed to each node, and anywhere (kvtier route: a SeenBlocks per engine).
-        self._sent: list[set[int]] = [set() for _ in range(n)]
-        self._routed_anywhere: set[int] = set()
+        # Per node, the blocks it may hold (routed there, or found there by Locate), and the
+        # union (kvtier route: HeldRule's Bloom filters, exact here).
+        self._maybe: list[set[int]] = [set() for _ in range(n)]
+        self._anywhere: set[int] = set()
         self.held = 0  # decisions made without Locate
         self._names = [str(i) for i in range(n)]
         # kvtier route's own record of what each engine computed, at each node's GPU capacity.
@@ -90,6 +91,9 @@ class Kvtier(Policy):
         arrive = now + self.decision_delay_s
         service = []
         for i, tiers in enumerate(self.view.locate(req)):
+            # What Locate found there, the held rule remembers (kvtier route: HeldRule.located).
+            self._maybe[i].update(req.keys[: len(tiers)])
+            self._anywhere.update(req.keys[: len(tiers)])
             held = self.computed.resident(self._names[i], req.keys)
             if held and held >= len(tiers) and not self.view.locate_gpu:
                 tiers = [GPU] * held
@@ -101,23 +105,23 @@ class Kvtier(Policy):
         return Choice(node, node)
 
     def _held(self, req: SimRequest, now: float) -> Choice | None:
-        """``kvtier route``'s decision without Locate (``Router._held``, ``Chooser.held``): some
-        nodes' engines hold ``r`` > 0 leading blocks and no block after them was ever routed
-        anywhere; the holders priced with ``r`` blocks in their GPU, every other node at its
-        floor, the request with the leading blocks ever routed to it (at most ``r``) held in its
-        GPU, the cheapest tier. Priced by the cost model, where ``kvtier route`` uses measured
-        prefill and Locate's block price."""
+        """``kvtier route``'s decision without Locate (kvtier/router/held_rule.py): some nodes'
+        engines hold ``r`` > 0 leading blocks and no node may hold a block after them; the
+        holders priced with ``r`` blocks in their GPU, every other node at its floor, the
+        request with the leading blocks it may hold (at most ``r``) in its GPU, the cheapest
+        tier. Priced by the cost model, where ``kvtier route`` uses measured prefill and Locate's
+        block price."""
         if self.ctx.locate_every_request:
             return None
         resident = [self.computed.resident(name, req.keys) for name in self._names]
         r = max(resident)
-        if not r or any(k in self._routed_anywhere for k in req.keys[r:]):
+        if not r or any(k in self._anywhere for k in req.keys[r:]):
             return None
         pricer, load = self.ctx.pricer, self.view.inflight
         holders, floors, service = [], [], []
         for i, name in enumerate(self._names):
             k = resident[i]
-            while k < r and req.keys[k] in self._sent[i]:
+            while k < r and req.keys[k] in self._maybe[i]:
                 k += 1
             c = Candidate(name, self.wait_s(i, now), pricer.plan(req, [GPU] * k).seconds, load[i])
             (holders if resident[i] == r else floors).append(c)
@@ -133,8 +137,8 @@ class Kvtier(Policy):
 
     def routed(self, req: SimRequest, node: int, now: float) -> None:
         self._pending[req.rid] = self.computed.sent(self._names[node], req.keys)
-        self._sent[node].update(req.keys)
-        self._routed_anywhere.update(req.keys)
+        self._maybe[node].update(req.keys)
+        self._anywhere.update(req.keys)
         q = self._queued[node]
         if not q:
             self._head_since[node] = now + self._delay

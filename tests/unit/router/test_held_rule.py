@@ -1,0 +1,126 @@
+"""When the router decides without Locate (kvtier/router/held_rule.py): only where what it knows of
+every node bounds what Locate could answer; each case with the control that asks Locate."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.router.choice import BALANCED, HELD, Chooser, Edge
+from kvtier.router.engine_cache import EngineCacheView
+from kvtier.router.engines import EngineSpec
+from kvtier.router.held_rule import HeldRule
+from kvtier.router.queue_model import QueueModel
+from kvtier.server.locate import Located
+
+BT = 4
+SALT = "acme:alice"
+HISTORY = list(range(100, 100 + 6 * BT))  # 6 blocks the first turn computed
+TURN = [*HISTORY, *range(500, 500 + 2 * BT), 7]  # 2 new blocks and a token
+
+
+class World:
+    def __init__(self, engines: list[EngineSpec]) -> None:
+        self.engines = engines
+        self.cached = EngineCacheView([e.name for e in engines], default_blocks=1000)
+        self.queue = QueueModel(e.name for e in engines)
+        self.rule = HeldRule(engines, self.cached, self.queue, Chooser(Edge()), node_bits=1 << 16,
+                             fleet_bits=1 << 18)
+        self.now = 100.0
+
+    def digests(self, tokens: list[int]) -> tuple[bytes, ...]:
+        return self.cached.digests(tokens, SALT, BT)
+
+    def served(self, engine: EngineSpec, tokens: list[int], prefill_s: float = 0.05) -> None:
+        """A streamed request computed at ``engine`` (its prefill measured)."""
+        d = self.digests(tokens)
+        t = self.queue.sent(engine.name, self.now, streaming=True, expected_first_s=prefill_s)
+        p = self.cached.sent(engine.name, d)
+        self.rule.sent(engine, d)
+        self.now += prefill_s
+        self.queue.first_byte(t, self.now)
+        self.cached.computed(p)
+        self.queue.done(t)
+        self.cached.settled(p)
+
+    def located(self, tokens: list[int], matched: dict[str, int], block_ms: float = 10.0) -> None:
+        n = (len(tokens) - 1) // BT
+        answers = {node: Located(node=node, model="m", block_tokens=BT, requested_blocks=n, new_tokens=1,
+                                 matched_blocks=m, tiers=(), runs=(), ttft_ms=0.0, plan="p",
+                                 recompute_ms=5.0 + n * block_ms, shared=None, tail_ms=5.0)
+                   for node, m in matched.items()}
+        self.rule.located(self.digests(tokens), answers)
+
+    def decide(self, tokens: list[int]):
+        return self.rule.decide(self.engines, self.digests(tokens), self.now)
+
+
+A, B = EngineSpec("a", "http://a", "a"), EngineSpec("b", "http://b", "b")
+
+
+@pytest.fixture
+def world() -> World:
+    w = World([A, B])
+    w.located(HISTORY, {"a": 0, "b": 0})  # the first turn: nothing anywhere; 10 ms a block
+    w.served(A, HISTORY)
+    return w
+
+
+def test_a_new_turn_goes_to_the_engine_holding_its_history_without_locate(world: World) -> None:
+    got = world.decide(TURN)
+    assert got is not None and (got.engine, got.reason) == ("a", HELD)
+
+
+def test_blocks_locate_found_on_another_node_leave_it_to_locate(world: World) -> None:
+    """A document published to b (found there by the first turn's Locate) may be reloaded there
+    for less than computing it: b's floor is the holder's own price, within the edge."""
+    w = World([A, B])
+    w.located(HISTORY, {"a": 0, "b": 6})
+    w.served(A, HISTORY)
+    assert w.decide(TURN) is None
+
+
+def test_new_blocks_sent_anywhere_leave_it_to_locate(world: World) -> None:
+    """The turn was sent to b before and failed there (no first token: b is not believed to
+    hold it), but b's connector may have saved blocks of it."""
+    assert world.decide(TURN) is not None  # control
+    world.rule.sent(B, world.digests(TURN))
+    assert world.decide(TURN) is None
+
+
+def test_a_node_sent_a_prompt_it_could_not_digest_may_hold_anything(world: World) -> None:
+    world.rule.sent_unknown(B)
+    assert world.decide(TURN) is None  # b idle: its floor is its queue alone, 0
+
+
+def test_engines_sharing_a_node_share_what_it_may_hold() -> None:
+    a1, a2 = EngineSpec("a/1", "http://a1", "a"), EngineSpec("a/2", "http://a2", "a")
+    w = World([a1, a2])
+    w.located(HISTORY, {"a": 0})
+    w.served(a1, HISTORY)
+    # a/2 can reload from the node's tiers what a/1 saved: a tie Locate would find.
+    assert w.decide(TURN) is None
+
+
+def test_before_any_prefill_is_measured_or_any_block_held_it_asks_locate() -> None:
+    w = World([A, B])
+    assert w.decide(TURN) is None  # nothing held
+    d = w.digests(HISTORY)
+    w.cached.computed(w.cached.sent("a", d))  # held, but no prefill measured at a
+    w.rule.sent(A, d)
+    assert w.decide(TURN) is None
+
+
+def test_prompts_sent_before_the_block_size_was_known_are_digested_once_it_is() -> None:
+    w = World([A, B])
+    w.located(HISTORY, {"a": 0, "b": 0})
+    w.served(A, HISTORY)
+    w.rule.sent_tokens(B, tuple(TURN), SALT)
+    assert w.decide(TURN) is not None  # not yet digested: looks unsent
+    w.rule.block_tokens(BT)
+    assert w.decide(TURN) is None  # b may hold the new blocks now
+
+
+def test_holders_tied_are_balanced_without_locate(world: World) -> None:
+    world.served(B, HISTORY)  # both engines computed the history (and their nodes hold it)
+    got = world.decide(TURN)
+    assert got is not None and got.reason == BALANCED
