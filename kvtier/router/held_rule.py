@@ -40,6 +40,7 @@ block size is (no daemon has answered yet) ``sent_tokens(engine, tokens, salt)``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 from kvtier.router.choice import Candidate, Choice, Chooser
@@ -48,6 +49,8 @@ from kvtier.router.engines import EngineSpec
 from kvtier.router.queue_model import QueueModel
 from kvtier.router.seen_blocks import SeenBlocks
 from kvtier.server.locate import Located
+
+log = logging.getLogger("kvtier.router")
 
 #: Bits of each node's filter (2 MiB) and of the fleet's (16 MiB).
 NODE_BITS = 1 << 24
@@ -125,7 +128,7 @@ class HeldRule:
         if len(self._backlog) < BACKLOG:
             self._backlog.append((engine.node, tokens, salt))
         else:
-            self.untracked.add(engine.node)
+            self._untrack(engine.node, "more prompts than kept before the block size is known")
 
     def block_tokens(self, bt: int) -> None:
         """The block size is known (or changed): the prompts kept for it are digested."""
@@ -135,7 +138,13 @@ class HeldRule:
 
     def sent_unknown(self, engine: EngineSpec) -> None:
         """A prompt the router could not digest went to ``engine``: its node may hold anything."""
-        self.untracked.add(engine.node)
+        self._untrack(engine.node, "a prompt without token ids (a batch, or text without --tokenizer)")
+
+    def _untrack(self, node: str, why: str) -> None:
+        if node not in self.untracked:
+            log.warning("node %s: %s was sent there; requests are no longer decided without Locate "
+                        "where it could hold their prefix", node, why)
+            self.untracked.add(node)
 
     def _add(self, node: str, digests: Sequence[bytes]) -> None:
         self._node(node).add(digests)
