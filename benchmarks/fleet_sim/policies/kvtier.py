@@ -69,7 +69,6 @@ class Kvtier(Policy):
         # union (kvtier route: HeldRule's Bloom filters, exact here).
         self._maybe: list[set[int]] = [set() for _ in range(n)]
         self._anywhere: set[int] = set()
-        self.held = 0  # decisions made without Locate
         self._names = [str(i) for i in range(n)]
         # kvtier route's own record of what each engine computed, at each node's GPU capacity.
         self.computed = EngineCacheView(self._names, default_blocks=0)
@@ -129,7 +128,6 @@ class Kvtier(Policy):
         choice = self.chooser.held(holders, floors, now)
         if choice is None:
             return None
-        self.held += 1
         self._delay = 0.0
         self._predicted = service
         node = int(choice.engine)
