@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvtier.cli.membership import fleet_members
 from kvtier.errors import ConfigError
+from kvtier.gc_freeze import freeze_start_up_objects
 from kvtier.plugins import backend
 from kvtier.router.app import Router, RouterSettings, json_ready
 from kvtier.router.cache_view import CacheView
@@ -90,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", metavar="PATH",
                    help="once listening, write {url, host, port} as JSON to PATH (for scripts and tests)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="log level (default warning: engines and nodes going down and up)")
+                   help="log level (default warning: engines and nodes going down and up; debug: also each "
+                        "routed request, never its prompt or salt)")
 
 
 def _ms(name: str, v: float) -> float:
@@ -176,5 +178,7 @@ def run(args: argparse.Namespace) -> int:
             tmp.write_text(json.dumps({**json_ready(bound_host, bound_port), "pid": os.getpid()}))
             os.replace(tmp, path)  # readers never see a half-written file
 
+    if getattr(args, "_argv", None) is not None:  # the process's own command line, not a test's call
+        freeze_start_up_objects()
     asyncio.run(router.serve(host.strip("[]"), int(port), ready))
     return 0

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from kvtier.dataplane.listener import DataPlaneListener
 from kvtier.dataplane.region_table import RegionLimits, RegionTable
 from kvtier.errors import ConfigError
+from kvtier.gc_freeze import freeze_start_up_objects
 from kvtier.hostmem import prefault_heap, tune_malloc_for_large_blocks, with_huge_page_malloc
 from kvtier.keys import PUBLIC
 from kvtier.rpc import kvtier_pb2 as pb
@@ -364,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        if argv is not None:
+            freeze_start_up_objects()
         if args.ready_file:
             _write_ready(Path(args.ready_file), daemon)
         stop.wait()
