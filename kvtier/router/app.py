@@ -302,7 +302,8 @@ class Router:
                 self._record_sent(engine, prompt, digests)
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
 
-            def first_byte(status: int, ticket=ticket, engine=engine, pending=pending) -> None:
+            def first_byte(status: int, ticket=ticket, engine=engine, pending=pending, choice=choice,
+                           attempt=attempt, decided=now) -> None:
                 t = time.monotonic()
                 if status == 200:  # an error answer computed no prompt
                     self.cached.computed(pending)
@@ -310,6 +311,10 @@ class Router:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
                 if streaming:
                     self.metrics.ttft.labels(engine.name).observe(t - arrival)
+                # Never the prompt or its salt: the engine, why, and the times an operator tunes by.
+                log.debug("routed to %s (%s, attempt %d): predicted %.1f ms, decided in %.1f ms, "
+                          "first byte after %.1f ms, status %d", engine.name, choice.reason, attempt + 1,
+                          choice.predicted_s * 1e3, (decided - arrival) * 1e3, (t - arrival) * 1e3, status)
 
             try:
                 outcome = await self._proxy.forward(

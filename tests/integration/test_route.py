@@ -203,6 +203,7 @@ def test_a_cached_prefix_goes_to_the_engine_whose_node_holds_it(fleet: Fleet) ->
     # Nothing of a prompt or a salt in the router's log (at debug level).
     log = f.router.output()
     assert "listening" in log  # control: the log is there
+    assert "routed to b (cache, attempt 1): predicted" in log  # each decision, for an operator to tune by
     # These engines report no cache size: said once each, not estimated silently.
     assert log.count("reports no cache size") == 2
     for secret in (alice, bob, alice.rsplit(":", 1)[-1], text_of(PROMPT[:3]), text_of(OTHER[:3]), "t1000"):
