@@ -46,6 +46,7 @@ from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import error_body
 from kvtier.router.held_rule import HeldRule
+from kvtier.router.loop_lag import probe_loop_lag
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
@@ -125,6 +126,7 @@ class Router:
         self._proxy = Proxy(self._session, s.connect_timeout_s, stall_s=s.poll_s + s.health_timeout_s)
         await self._watch.poll_all()
         self._tasks.append(asyncio.create_task(self._watch.run(), name="kvtier-route-engine-watch"))
+        self._tasks.append(asyncio.create_task(probe_loop_lag(self.metrics.loop_lag), name="kvtier-route-loop-lag"))
         if self.cache is not None:
             self._tasks.append(asyncio.create_task(self.cache.run_probes(), name="kvtier-route-node-probes"))
 

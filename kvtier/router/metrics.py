@@ -53,6 +53,9 @@ class RouterMetrics:
                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("kvtier_router_ttft_seconds", "Time from the router's arrival to the first chunk "
                               "of a streamed answer", ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("kvtier_router_loop_lag_seconds", "How much later than asked the event "
+                                  "loop ran a periodic probe: what every request in flight waited then",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.predicted_ttft = Histogram("kvtier_router_predicted_ttft_seconds", "Predicted time to first token "
                                         "of the chosen engine", ["engine"], buckets=_LATENCY_BUCKETS, registry=r)
 
