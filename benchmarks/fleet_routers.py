@@ -70,7 +70,7 @@ def kvtier_route_command(fleet: Fleet, token_file: Path, ready: Path) -> list[st
 
 def router_metrics(url: str) -> dict[str, float]:
     """``kvtier route``'s own counters after a run (``/metrics``: routing reasons, Locate answers
-    and time, predicted and measured TTFT), summed per sample name and label set."""
+    and time, predicted and measured TTFT, the event loop's lateness), per sample name and label set."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
@@ -79,9 +79,11 @@ def router_metrics(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.startswith("kvtier_router_") and not s.name.endswith("_created"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
-                if "le" in s.labels:
-                    continue  # histogram buckets: the sums and counts say enough here
+                # Histogram buckets: the sums and counts say enough, but for the loop's lateness,
+                # whose tail is the point (how often every request in flight waited that long).
+                if "le" in s.labels and not s.name.startswith("kvtier_router_loop_lag"):
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
