@@ -8,8 +8,9 @@ engine core of a data-parallel server). An engine without them (another server) 
 The router polls every engine each second on its one event loop, so the parse must be cheap: a
 vLLM server's exposition is about 600 lines (50 KB of histograms), which prometheus_client's
 parser, pure Python, takes 6-8 ms to read on an idle core (the loop stalls that long per engine
-and poll). Two regular-expression passes (C) check that every line has the exposition's shape and
-keep only the three families read here; the parser then reads those few lines.
+and poll). Two regular-expression passes (C) check that every line has the usual shape and keep
+only the three families read here, which the parser then reads; text with any other line is
+parsed whole, as it always was (valid or not, the parser decides).
 """
 
 from __future__ import annotations
@@ -44,13 +45,12 @@ class EngineLoad:
 
 def parse_vllm_load(text: str) -> EngineLoad:
     """The load in a Prometheus text exposition; ValueError if the text does not parse."""
-    bad = _NOT_EXPOSITION.search(text)
-    if bad is not None:
-        line = text[bad.start():].split("\n", 1)[0]
-        raise ValueError(f"not a Prometheus text exposition line: {line[:80]!r}")
+    # A line of a shape the fast check does not know (leading blanks, a blank before "{", quoted
+    # names) is the full parser's to judge, as before: it raises on text it cannot read.
+    wanted = text if _NOT_EXPOSITION.search(text) else "\n".join(_WANTED.findall(text)) + "\n"
     found: dict[str, float] = {}
     blocks: int | None = None
-    for family in text_string_to_metric_families("\n".join(_WANTED.findall(text)) + "\n"):
+    for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             if sample.name in (RUNNING, WAITING):
                 found[sample.name] = found.get(sample.name, 0.0) + sample.value

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.router import engine_load
 from kvtier.router.engine_load import CACHE_INFO, RUNNING, WAITING, EngineLoad, parse_vllm_load
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -58,6 +60,7 @@ def test_a_real_vllm_exposition_reads_as_the_full_parse_does() -> None:
             elif s.name == CACHE_INFO:
                 full["blocks"] = float(s.labels["num_gpu_blocks"])
     assert set(full) == {RUNNING, WAITING, "blocks"}  # control: the families are there to be missed
+    assert engine_load._NOT_EXPOSITION.search(text) is None  # vLLM's own text takes the fast path
     assert parse_vllm_load(text) == EngineLoad(running=round(full[RUNNING]), waiting=round(full[WAITING]),
                                                known=True, cache_blocks=int(full["blocks"]))
     busy = text.replace('vllm:num_requests_running{engine="0",model_name="m"} 0.0',
@@ -74,6 +77,17 @@ def test_a_family_whose_name_extends_a_read_one_is_not_counted() -> None:
 @pytest.mark.parametrize("text", ["<html><body>metrics</body></html>\n",
                                   VLLM + "not a sample\n",
                                   "# TYPE other gauge\nother\n"])
-def test_a_line_of_another_shape_anywhere_is_an_error(text: str) -> None:
-    with pytest.raises(ValueError, match="not a Prometheus text exposition line"):
+def test_text_the_full_parser_cannot_read_is_an_error(text: str) -> None:
+    with pytest.raises(ValueError):
         parse_vllm_load(text)
+
+
+@pytest.mark.parametrize("variant", [
+    lambda t: t.replace("vllm:num_requests_running{", "vllm:num_requests_running {"),  # a blank before "{"
+    lambda t: t.replace("\n", "\r\n") + "\r\n",  # CRLF, with an empty line
+    lambda t: t + "  \n  # a comment after blanks\n",
+])
+def test_valid_text_of_a_shape_the_fast_check_skips_reads_as_before(variant: Callable[[str], str]) -> None:
+    text = variant(VLLM)
+    assert text != VLLM  # control: the variant is a variant
+    assert parse_vllm_load(text) == EngineLoad(running=3, waiting=4, known=True)
