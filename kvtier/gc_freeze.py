@@ -6,8 +6,9 @@ long as the process, which a full pass took 40 ms (daemon) and 60-78 ms (router)
 core, longer on a busy one. Allocation triggers those passes at any moment, so each stalled
 whichever RPC or routed request was in flight: on the router's one event loop, every request.
 ``gc.freeze()`` moves what exists at the end of start-up to the permanent generation, which
-collections skip (0.5 ms a pass after it). Only the process's own entry point calls this: frozen
-objects are never freed, which a test suite calling ``run`` in process must not inherit.
+collections skip (0.5 ms a pass after it). Reference counting still frees a frozen object; a
+reference cycle among frozen objects is never collected (until ``gc.unfreeze()``), so only the
+process's own entry point calls this, never a test suite calling ``run`` in process.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Start-up objects out of full collections (kvtier/gc_freeze.py), in a fresh interpreter each:
-freezing is process-wide and never undone for what it froze."""
+"""Start-up objects out of full collections (kvtier/gc_freeze.py), in a fresh interpreter: freezing
+is process-wide, and a frozen cycle stays until ``gc.unfreeze()``."""
 
 from __future__ import annotations
 
