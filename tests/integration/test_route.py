@@ -199,6 +199,7 @@ def test_a_cached_prefix_goes_to_the_engine_whose_node_holds_it(fleet: Fleet) ->
     routed = sum(metric(f.url, "kvtier_router_routed_total", engine=e, reason=r)
                  for e in "ab" for r in ("cache", "queue", "balanced"))
     assert routed > 10 and metric(f.url, "kvtier_router_decision_seconds_count") == routed
+    assert metric(f.url, "kvtier_router_loop_lag_seconds_count") > 0  # the loop's probe runs in the router
 
     # Nothing of a prompt or a salt in the router's log (at debug level).
     log = f.router.output()
