@@ -103,6 +103,16 @@ class PublicRegistryRule(ScopeRule):
     published since): then the registry is asked, as without a guess. Every hit still comes
     from a lookup of the request's own keys; a stale guess can only cost hits, never widen a scope
     (the guessed blocks are the registry's own public blocks, matched key for key).
+
+    A head it knows no document of is first looked up all private (cut 0): the principal's own
+    earlier requests of the same tokens were saved so whenever the registry said their head was
+    unpublished, which is the common case of a private conversation's later turns. Any block
+    found is the principal's own, for these exact tokens, so the answer stands without the
+    registry: one lookup instead of two. Only a miss asks the registry (a document it has not
+    seen yet costs three lookups once, then it is known). A document published after the
+    principal saved the same head privately is not used for that principal until the rule knows
+    the document (from any request the registry answered): its own copy serves it meanwhile, and
+    nothing crosses a scope either way.
     """
 
     name = "public-registry"
@@ -136,6 +146,12 @@ class PublicRegistryRule(ScopeRule):
             found = _looked_up(cache, principal, prompt, n_blocks, public, layout=layout)
             if found.lookup.length != known[0] or known[0] == n_blocks:
                 return found
+            guessed = found
+        elif known is None:
+            found = _looked_up(cache, principal, ScopedPrompt(tuple(tokens), 0, self.private_kind), n_blocks,
+                               layout=layout)
+            if found.lookup.length:
+                return found  # the principal's own blocks of these tokens: no registry needed
             guessed = found
         registry = cache.lookup(principal, public)
         published = registry.length

@@ -173,7 +173,8 @@ def test_public_registry_remembers_a_documents_cut_and_asks_once_when_it_can() -
         return prompt, lk, want, want_lk, calls
 
     prompt, lk, want, want_lk, calls = both(doc + q1, 5)
-    assert (prompt, lk.length, calls) == (want, want_lk.length, 2) and prompt.public_blocks == 2
+    # A document not seen yet: alice's own blocks (none), the registry, then the cut's lookup.
+    assert (prompt, lk.length, calls) == (want, want_lk.length, 3) and prompt.public_blocks == 2
     # alice's private blocks after the document, as her engine saves them
     cache.save(alice, scoped_chain(cache, alice, prompt, 5)[2:], block * 3)
     prompt, lk, want, want_lk, calls = both(doc + q1, 5)
@@ -188,3 +189,48 @@ def test_public_registry_remembers_a_documents_cut_and_asks_once_when_it_can() -
     other = doc[:4] + list(range(50, 58)) + q1
     prompt, lk, want, want_lk, calls = both(other, 5)
     assert (prompt, lk.length, calls) == (want, want_lk.length, 2) and prompt.public_blocks == 1
+
+
+def test_public_registry_serves_a_private_conversations_later_turns_with_one_lookup() -> None:
+    """A head no document is known of is looked up all private first: a conversation's second
+    turn finds alice's own blocks with one lookup, the first turn (nothing of hers) asks the
+    registry too; bob's blocks of the same tokens are not alice's; a document published after
+    alice saved the same head privately leaves her own copy serving her."""
+    cache = _cache()
+    block = [torch.zeros(LAYOUT.block_shape, dtype=torch.float16)]
+    alice, bob = Principal("acme", "alice"), Principal("globex", "bob")
+    publisher = Principal("ops", "pub", roles=frozenset({ROLE_PUBLISH_PUBLIC}))
+    turn1, turn2 = list(range(300, 313)), list(range(300, 321))
+    asked: list[int] = []
+    real_lookup = cache.lookup
+
+    def counted(principal, chain):
+        asked.append(len(chain))
+        return real_lookup(principal, chain)
+
+    cache.lookup = counted
+    rule, plain = scope_rule("public-registry"), scope_rule("public-registry")
+
+    def ask(who: Principal, tokens: list[int], n: int):
+        asked.clear()
+        found = rule.scoped_lookup(cache, who, tokens, n)
+        assert [c.key for c in found.chain[: found.lookup.length]] == list(found.lookup.keys)
+        return found, len(asked)
+
+    found, calls = ask(alice, turn1, 3)
+    assert (found.prompt.public_blocks, found.lookup.length, calls) == (0, 0, 2)
+    assert found.prompt == plain.scope(cache, alice, turn1, 3)
+    cache.save(alice, list(found.chain), block * 3)  # her engine saves the first turn
+    found, calls = ask(alice, turn2, 5)
+    assert (found.prompt.public_blocks, found.lookup.length, calls) == (0, 3, 1), "her own blocks: one lookup"
+    assert found.prompt == plain.scope(cache, alice, turn2, 5)
+    found, calls = ask(bob, turn2, 5)  # control: the same tokens, another tenant, nothing of his
+    assert (found.lookup.length, calls) == (0, 2)
+    # The same head published later: alice's own copy still serves her, bob gets the document.
+    cache.save(publisher, cache.chain(publisher, [RequestSegment(turn2[:16], ScopeKind.PUBLIC)]), block * 4)
+    found, calls = ask(alice, turn2, 5)
+    assert (found.prompt.public_blocks, found.lookup.length, calls) == (0, 3, 1)
+    assert {c.scope.kind for c in found.chain} == {ScopeKind.USER}
+    found, calls = ask(bob, turn2, 5)
+    assert (found.prompt.public_blocks, found.lookup.length, calls) == (4, 4, 3)
+    assert found.prompt == plain.scope(cache, bob, turn2, 5)
