@@ -10,9 +10,10 @@ and a block one node wrote to the bucket is readable on the other.
 
 Protocol, in call order: ``Fleet.start`` (S3, daemons, engines) -> ``calibrate`` (the engines'
 measured prefill time, written into each daemon's ``[locate]`` as an operator would, and the
-daemons restarted on the same ports) -> ``warm_up`` (kvtier's first use on each engine) ->
-``publish`` (the public documents, once) -> per router run: ``settle`` (every save stored) ->
-``purge`` (the previous run's principals) -> ``reset_prefix_caches`` -> ``metrics`` before and after -> ``close``.
+daemons restarted on the same ports) -> ``warm_up`` (kvtier's first use and the sampler's
+compilation on each engine) -> ``publish`` (the public documents, once) -> per router run:
+``settle`` (every save stored) -> ``purge`` (the previous run's principals) ->
+``reset_prefix_caches`` -> ``metrics`` before and after -> ``close``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import stop_group, stop_process
+from benchmarks.fleet_client import TOP_LOGPROBS, stream_completion
 from benchmarks.progress import say
 from benchmarks.vllm_bench import Server, complete, llama_layout, wait_for_saves, wait_ready, write_model
 from kvtier.engine.models import ModelSpec, model_spec
@@ -289,9 +292,16 @@ class Fleet:
         return total // len(self.nodes)
 
     def warm_up(self, tokens: Sequence[int]) -> None:
-        """Each engine's first use of kvtier (its connection's shared region, attached through a
-        salt) before any measured run, so no router's run pays it: a warm-up principal's prompt
-        computed and saved, then served from kvtier, on every engine; then purged."""
+        """What each engine does once, before any measured run, so no router's run pays it:
+
+        - kvtier's first use (its connection's shared region, attached through a salt): a warm-up
+          principal's prompt computed and saved, then served from kvtier; then purged;
+        - vLLM's sampler compiled for the runs' requests: top log-probabilities are counted by a
+          ``torch.compile``d kernel (vllm/v1/sample/ops/logprobs.py), compiled at an engine's first
+          request that asks for them (1.4-2 s on this host) and again, for any batch size, at
+          its first step that samples two requests at once. Without this the first run to send
+          such requests to an engine paid it: the engine the references did not use stalled
+          1.5-2 s on its first two requests of the bench, in whichever router's run came first."""
         salt = self.dep.salt("kvtier", "warmup")
         for node in self.nodes.values():
             assert node.engine is not None
@@ -300,6 +310,15 @@ class Fleet:
             self.reset_prefix_caches()
             complete(node.engine, list(tokens), salt, max_tokens=1, logprobs=0)
         self.purge([("kvtier", "warmup")])
+        def sample(url: str) -> None:
+            a = stream_completion(url, list(tokens), None, max_tokens=4, logprobs=TOP_LOGPROBS)
+            if a.error:
+                raise TierUnavailable(f"vllm serve ({url}): a warm-up request failed: {a.error}")
+
+        for node in self.nodes.values():
+            for batch in (1, 2):  # one request alone, then two sampled in the same steps
+                with ThreadPoolExecutor(batch) as pool:
+                    list(pool.map(sample, [node.url] * batch))
 
     # -- between runs --------------------------------------------------------------------------
     def settle(self, salt: str) -> None:
