@@ -216,24 +216,36 @@ class Fleet:
         return Server(proc, f"http://127.0.0.1:{port}", f"engine-{node.name}")
 
     # -- calibration ---------------------------------------------------------------------------
-    def calibrate(self, lengths: Sequence[int] = (64, 1024), reps: int = 3) -> dict[str, float]:
+    def calibrate(self, lengths: Sequence[int] = (64, 1024), reps: int = 4) -> dict[str, float]:
         """Measure the engines' prefill (median TTFT of cold prompts of two lengths, no salt, so
         kvtier takes no part, each engine's cache reset before each), fit ``fixed + per token``,
         write it into every daemon's ``[locate]`` and restart the daemons on their ports: the
-        configuration docs/operations.md asks an operator to measure."""
+        configuration docs/operations.md asks an operator to measure.
+
+        Each engine first computes one prompt of each length, untimed: an engine's first prompts
+        of a length pay one-time costs (its CPU kernels built for that shape) that are not its
+        prefill. Timed without it, the short prompts' median ranged 11-77 ms over ten benches,
+        and a fit of 77 ms + 11 us/token priced a cached history at almost nothing, so kvtier
+        route balanced nearly every request. The lengths alternate within each repetition."""
         import random
 
         rng = random.Random(7)
-        med: dict[int, float] = {}
-        for n in lengths:
-            samples = []
-            for _ in range(reps):
+
+        def cold(node: Node, n: int) -> float:
+            assert node.engine is not None
+            self.reset_prefix_caches()
+            tokens = [rng.randrange(10, self.spec.vocab_size) for _ in range(n)]
+            return float(complete(node.engine, tokens, None, max_tokens=1, logprobs=0)["ttft_ms"])
+
+        for node in self.nodes.values():
+            for n in lengths:
+                cold(node, n)
+        samples: dict[int, list[float]] = {n: [] for n in lengths}
+        for _ in range(reps):
+            for n in lengths:
                 for node in self.nodes.values():
-                    assert node.engine is not None
-                    self.reset_prefix_caches()
-                    tokens = [rng.randrange(10, self.spec.vocab_size) for _ in range(n)]
-                    samples.append(complete(node.engine, tokens, None, max_tokens=1, logprobs=0)["ttft_ms"])
-            med[n] = statistics.median(samples)
+                    samples[n].append(cold(node, n))
+        med = {n: statistics.median(v) for n, v in samples.items()}
         lo, hi = lengths[0], lengths[-1]
         per_token_us = max(1.0, (med[hi] - med[lo]) / (hi - lo) * 1e3)
         fixed_ms = max(0.0, med[lo] - per_token_us * lo / 1e3)
