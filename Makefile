@@ -54,7 +54,7 @@ engine-venvs: $(ENGINE_VENVS)
 	touch $@
 
 # vllm-router 0.1.17 (a Rust binary wheel) for `kvtier bench fleet`, in its own venv: the exact package set --no-deps.
-# `make test` builds it: tests/integration/test_fleet_bench.py runs the routers from there.
+# `make test` builds it: tests/engines/vllm_engine/test_fleet_bench.py runs the routers from there.
 .venv-vllmrouter/.stamp: benchmarks/peers/vllm-router-requirements.txt
 	$(STEP) "step 1/1: .venv-vllmrouter, vllm-router 0.1.17 and its pinned packages"
 	test -x .venv-vllmrouter/bin/python || $(PY) -m venv .venv-vllmrouter
