@@ -322,6 +322,7 @@ class Fleet:
             self.reset_prefix_caches()
             complete(node.engine, list(tokens), salt, max_tokens=1, logprobs=0)
         self.purge([("kvtier", "warmup")])
+
         def sample(url: str) -> None:
             a = stream_completion(url, list(tokens), None, max_tokens=4, logprobs=TOP_LOGPROBS)
             if a.error:
