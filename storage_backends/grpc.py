@@ -139,6 +139,19 @@ class GrpcTierConfig:
             raise ConfigError("GrpcTierConfig.region_bytes must be between 1 MiB and 1 TiB")
 
     def channel(self) -> grpc.Channel:
+        options, creds = self._channel_args()
+        if creds is None:
+            return grpc.insecure_channel(self.target, options=options)
+        return grpc.secure_channel(self.target, creds, options=options)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """The same channel for an asyncio loop (a router's Locate client); open it on that loop."""
+        options, creds = self._channel_args()
+        if creds is None:
+            return grpc.aio.insecure_channel(self.target, options=options)
+        return grpc.aio.secure_channel(self.target, creds, options=options)
+
+    def _channel_args(self) -> tuple[list[tuple[str, Any]], grpc.ChannelCredentials | None]:
         options: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
@@ -156,9 +169,8 @@ class GrpcTierConfig:
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         if self.tls_ca is None:
-            return grpc.insecure_channel(self.target, options=options)
-        creds = grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
-        return grpc.secure_channel(self.target, creds, options=options)
+            return options, None
+        return options, grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
 
 
 @dataclass(slots=True, frozen=True)
@@ -751,3 +763,8 @@ class _Channel:
                                         response_deserializer=decode_message)
         self.put = channel.stream_unary(f"/{SERVICE_NAME}/Put", request_serializer=encode_frame,
                                         response_deserializer=pb.PutResponse.FromString)
+
+
+# The router's Locate client (storage_backends/grpc_locate.py), for callers that reach this
+# backend by name (``backend("daemon").GrpcLocateClient``). Imported last: it builds on this module.
+from storage_backends.grpc_locate import GrpcLocateClient  # noqa: E402, F401

@@ -10,6 +10,7 @@ value: keep it off command lines). Exit status 0 when at least one node answered
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from kvtier.cli.membership import fleet_members
 from kvtier.errors import ConfigError
 from kvtier.plugins import backend
 from kvtier.security.secrets import read_public_file, read_secret_file
-from kvtier.server.fleet_view import FleetView, Member
+from kvtier.server.fleet_view import FleetAnswer, FleetView, Member
 from kvtier.server.locate import LocateQuery
 
 DEFAULT_DEADLINE_MS = 500.0
@@ -80,14 +81,17 @@ def run(args: argparse.Namespace) -> int:
     daemon = backend("daemon")
 
     def connect(m: Member) -> object:
-        return daemon.GrpcTier(daemon.GrpcTierConfig(m.address, token, tls_ca=ca, max_attempts=1, data_plane="tcp",
-                                                     name=m.name))
+        return daemon.GrpcLocateClient(daemon.GrpcTierConfig(m.address, token, tls_ca=ca, max_attempts=1,
+                                                             data_plane="tcp", name=m.name))
 
-    fleet = FleetView(members, connect, deadline_s or DEFAULT_DEADLINE_MS / 1e3)  # type: ignore[arg-type]
-    try:
-        answer = fleet.locate(LocateQuery(tokens=tokens, salt=salt, model=args.model))
-    finally:
-        fleet.close()
+    async def ask() -> FleetAnswer:
+        fleet = FleetView(members, connect, deadline_s or DEFAULT_DEADLINE_MS / 1e3)  # type: ignore[arg-type]
+        try:
+            return await fleet.locate(LocateQuery(tokens=tokens, salt=salt, model=args.model))
+        finally:
+            await fleet.close()
+
+    answer = asyncio.run(ask())
     json.dump(answer.json(), sys.stdout, indent=2)
     print()
     if not answer.answered():

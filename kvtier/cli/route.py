@@ -142,8 +142,8 @@ def _fleet(args: argparse.Namespace, metrics: RouterMetrics) -> CacheView | None
     daemon = backend("daemon")
 
     def connect(m: Member) -> object:
-        return daemon.GrpcTier(daemon.GrpcTierConfig(m.address, token, tls_ca=ca, max_attempts=1, data_plane="tcp",
-                                                     name=m.name))
+        return daemon.GrpcLocateClient(daemon.GrpcTierConfig(m.address, token, tls_ca=ca, max_attempts=1,
+                                                             data_plane="tcp", name=m.name))
 
     fleet = FleetView(members, connect, deadline_s or DEFAULT_DEADLINE_MS / 1e3)  # type: ignore[arg-type]
     return CacheView(fleet, metrics, probe_s=_ms("probe-ms", args.probe_ms), membership=source, refresh_s=refresh_s)
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         router = Router(engines, conf, cache=cache, tokenizer=tokenizer, metrics=metrics)
     except BaseException:
         if cache is not None:
-            cache.close()
+            asyncio.run(cache.close())  # no call was made: no channel is open, no loop is needed but this one
         raise
 
     def ready(bound_host: str, bound_port: int) -> None:

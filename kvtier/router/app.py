@@ -137,7 +137,7 @@ class Router:
         if self._session is not None:
             await self._session.close()
         if self.cache is not None:
-            self.cache.close()
+            await self.cache.close()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_body_bytes)

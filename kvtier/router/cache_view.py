@@ -13,10 +13,10 @@ gone is no longer asked. A refresh that fails keeps the membership it has (logge
 ``kvtier_router_membership_refreshes``), and one that finds no node keeps it too: an empty
 Service is far more often a moment of a rollout than a fleet with no daemon.
 
-Protocol: ``CacheView(fleet, ...)`` -> ``locate(tokens, salt)`` per request (from the event loop;
-the fleet view's blocking call runs in a worker thread) -> ``run_probes()`` as a task until
-cancelled (the probes, and the membership refreshes when there is a source) -> ``close()``.
-Up/down state and membership are changed on the event loop only.
+Protocol: ``CacheView(fleet, ...)`` -> ``await locate(tokens, salt)`` per request (the fleet
+view's calls run on the same event loop) -> ``run_probes()`` as a task until cancelled (the
+probes, and the membership refreshes when there is a source) -> ``await close()``. Up/down state
+and membership are changed on the event loop only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from kvtier.errors import KvtierError
@@ -49,7 +48,7 @@ class MembershipSource(Protocol):
 class CacheView:
     """Per-node Locate answers for the router, with down nodes left out (module docstring)."""
 
-    def __init__(self, fleet: FleetView, metrics: RouterMetrics, *, probe_s: float, workers: int = 16,
+    def __init__(self, fleet: FleetView, metrics: RouterMetrics, *, probe_s: float,
                  membership: MembershipSource | None = None, refresh_s: float = 10.0) -> None:
         assert refresh_s > 0
         self.fleet = fleet
@@ -57,7 +56,6 @@ class CacheView:
         self.probe_s = probe_s
         self.membership = membership
         self.refresh_s = refresh_s
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-route-locate")
         self._up = {m.name: True for m in fleet.members}
         for name in self._up:
             metrics.node_up.labels(name).set(1)
@@ -77,7 +75,7 @@ class CacheView:
         t0 = time.monotonic()
         # The router compares nodes: the shared tier serves every one of them alike, so it is not
         # asked (a probe of S3 would be most of a Locate's time, on every request's path).
-        answer = await self._ask(LocateQuery(tokens=tokens, salt=salt, local_only=True), asked)
+        answer = await self.fleet.locate(LocateQuery(tokens=tokens, salt=salt, local_only=True), asked)
         self.metrics.locate_seconds.observe(time.monotonic() - t0)
         self._note(answer)
         return {n.member.name: n.located for n in answer.nodes if n.located is not None}
@@ -93,7 +91,7 @@ class CacheView:
             await asyncio.sleep(self.probe_s)
             down = {n for n, up in self._up.items() if not up}
             if down:
-                self._note(await self._ask(PROBE, down))
+                self._note(await self.fleet.locate(PROBE, down))
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -114,12 +112,12 @@ class CacheView:
             log.warning("membership from %s lists no node; the last one is kept", self.membership.describe())
             self.metrics.membership_refreshes.labels("empty").inc()
             return False
-        self.set_members(members)
+        await self.set_members(members)
         self.metrics.membership_refreshes.labels("ok").inc()
         return True
 
-    def set_members(self, members: Sequence[Member]) -> None:
-        added, removed = self.fleet.set_members(members)
+    async def set_members(self, members: Sequence[Member]) -> None:
+        added, removed = await self.fleet.set_members(members)
         for name in removed:
             if self._up.pop(name, None) is not None:
                 self.metrics.node_up.remove(name)
@@ -131,12 +129,8 @@ class CacheView:
                         self.membership.describe() if self.membership else "the caller",
                         len(self._up), added or "none", removed or "none")
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self.fleet.close()
-
-    async def _ask(self, query: LocateQuery, only: set[str]) -> FleetAnswer:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.fleet.locate, query, only)
+    async def close(self) -> None:
+        await self.fleet.close()
 
     def _note(self, answer: FleetAnswer) -> None:
         for n in answer.nodes:

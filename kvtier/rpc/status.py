@@ -84,7 +84,8 @@ def abort_rpc(context: grpc.ServicerContext, exc: KvtierError) -> NoReturn:
 
 def error_from(exc: grpc.RpcError) -> KvtierError:
     """The kvtier exception a failed call stands for (see the module docstring)."""
-    if not isinstance(exc, grpc.Call):
+    # A blocking call's error is a grpc.Call; an asyncio one's (grpc.aio) is an AioRpcError.
+    if not isinstance(exc, grpc.Call | grpc.aio.AioRpcError):
         return TierUnavailable(f"daemon answered {grpc.StatusCode.UNKNOWN.name}: {exc}")
     code = exc.code()
     named = _BY_NAME.get(dict(exc.trailing_metadata() or ()).get(ERROR_METADATA))

@@ -7,10 +7,15 @@ and this view asks them all at once. Membership is a list of named addresses, fr
 does not answer within the deadline (stopped, frozen, partitioned) is reported ``unavailable``
 with the reason, never dropped, so a router can tell "no cache there" from "no answer from there".
 
-Protocol: ``FleetView(members, connect, deadline_s)`` opens one client per member (``connect``:
-a kvtier daemon client with a ``locate`` method, e.g. storage_backends' GrpcTier, found by the
-caller through the backend registry) -> ``locate(query)`` any number of times, from any thread
--> ``close()``.
+The calls to every node are in flight at once on the caller's event loop, with no thread in
+between: a router asks on most requests' path, on cores its engines keep busy, where each hand-over
+from the loop to a thread and back cost it more than the daemons took to answer.
+
+Protocol: ``FleetView(members, connect, deadline_s)`` builds one client per member (``connect``:
+a kvtier daemon client with an async ``locate`` method, e.g. storage_backends' GrpcLocateClient,
+found by the caller through the backend registry; it opens its channel on first use) ->
+``await locate(query)`` any number of times, and ``await set_members(...)`` when the membership
+changes, all from one event loop -> ``await close()``.
 
 Membership file::
 
@@ -22,12 +27,11 @@ Membership file::
 
 from __future__ import annotations
 
+import asyncio
 import re
-import threading
 import time
 import tomllib
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,9 +48,9 @@ OK, UNAVAILABLE, REFUSED, ERROR, SKIPPED = "ok", "unavailable", "refused", "erro
 
 
 class LocateClient(Protocol):
-    def locate(self, request: pb.LocateRequest, *, timeout_s: float | None = None) -> pb.LocateResponse: ...
+    async def locate(self, request: pb.LocateRequest, *, timeout_s: float | None = None) -> pb.LocateResponse: ...
 
-    def close(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,10 +170,10 @@ class FleetAnswer:
 class FleetView:
     """Scatter-gather Locate over a membership, fixed or replaced by ``set_members`` (module docstring).
 
-    Invariants: one client and at least one worker thread per member; a query waits at most the
-    deadline (plus scheduling), and every member of the membership it started with appears in its
-    answer. Thread-safe: the clients and the pool are, and ``set_members`` swaps the membership
-    under a lock that a query holds only while it submits its calls.
+    Invariants: one client per member; a query waits at most the deadline (plus scheduling), and
+    every member of the membership it started with appears in its answer. Event-loop only: the
+    clients belong to the loop of their first call, and a query reads the membership once, as it
+    starts, so ``set_members`` never changes what a query in flight reports.
     """
 
     def __init__(self, members: Sequence[Member], connect: Callable[[Member], LocateClient],
@@ -180,26 +184,15 @@ class FleetView:
             raise ConfigError("the fleet view's deadline must be positive")
         self.deadline_s = deadline_s
         self._connect = connect
-        self._lock = threading.Lock()
         self._retired: list[LocateClient] = []
         # (member, client) pairs, replaced as a whole by set_members: a query reads one snapshot.
-        self._nodes: tuple[tuple[Member, LocateClient], ...] = ()
-        clients: list[LocateClient] = []
-        try:
-            for m in _unique(list(members)):
-                clients.append(connect(m))
-                self._nodes += ((m, clients[-1]),)
-        except BaseException:
-            self.close()
-            raise
-        self._pool = ThreadPoolExecutor(max_workers=len(self._nodes), thread_name_prefix="kvtier-fleet")
-        self._pool_size = len(self._nodes)
+        self._nodes: tuple[tuple[Member, LocateClient], ...] = tuple((m, connect(m)) for m in _unique(list(members)))
 
     @property
     def members(self) -> list[Member]:
         return [m for m, _ in self._nodes]
 
-    def set_members(self, members: Sequence[Member]) -> tuple[list[str], list[str]]:
+    async def set_members(self, members: Sequence[Member]) -> tuple[list[str], list[str]]:
         """Adopt a new membership (a refreshed source): a client is opened for each new member (or
         one whose address changed), and the clients of members gone are closed at the next call or
         at ``close`` (by then every query that could use them is past its deadline). Returns the
@@ -207,80 +200,80 @@ class FleetView:
         if not members:
             raise ConfigError("a fleet view needs at least one node")
         members = _unique(list(members))
-        with self._lock:
-            for client in self._retired:
-                client.close()
-            self._retired = []
-            old = {m.name: (m, c) for m, c in self._nodes}
-            nodes: list[tuple[Member, LocateClient]] = []
-            added: list[str] = []
-            removed = sorted(old.keys() - {m.name for m in members})
-            for m in members:
-                kept = old.pop(m.name, None)
-                if kept is not None and kept[0] == m:
-                    nodes.append(kept)
-                    continue
-                if kept is not None:  # the same name at another address
-                    self._retired.append(kept[1])
-                    removed.append(m.name)
-                nodes.append((m, self._connect(m)))
-                added.append(m.name)
-            self._retired.extend(c for _, c in old.values())
-            if len(nodes) > self._pool_size:
-                # A larger pool for the larger fleet; the old one finishes what it runs.
-                self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="kvtier-fleet")
-                self._pool_size = len(nodes)
-            self._nodes = tuple(nodes)
+        retired, self._retired = self._retired, []
+        await _close_all(retired)
+        old = {m.name: (m, c) for m, c in self._nodes}
+        nodes: list[tuple[Member, LocateClient]] = []
+        added: list[str] = []
+        removed = sorted(old.keys() - {m.name for m in members})
+        for m in members:
+            kept = old.pop(m.name, None)
+            if kept is not None and kept[0] == m:
+                nodes.append(kept)
+                continue
+            if kept is not None:  # the same name at another address
+                self._retired.append(kept[1])
+                removed.append(m.name)
+            nodes.append((m, self._connect(m)))
+            added.append(m.name)
+        self._retired.extend(c for _, c in old.values())
+        self._nodes = tuple(nodes)
         return added, sorted(removed)
 
-    def locate(self, query: LocateQuery, only: Collection[str] | None = None) -> FleetAnswer:
+    async def locate(self, query: LocateQuery, only: Collection[str] | None = None) -> FleetAnswer:
         """Every member's answer; with ``only``, the members not named there are not asked and are
         reported ``skipped`` (a router leaves out the nodes it knows to be down, so that a frozen one
         does not cost every request the deadline)."""
         request = query_to_msg(query)
         t0 = time.monotonic()
-        with self._lock:
-            nodes, pool = self._nodes, self._pool
-            futures: list[Future[tuple[pb.LocateResponse, float]] | None] = [
-                pool.submit(self._ask, client, request, t0) if only is None or m.name in only else None
-                for m, client in nodes]
-        wait([f for f in futures if f is not None], timeout=self.deadline_s)
+        nodes = self._nodes
+        calls: list[asyncio.Task[tuple[pb.LocateResponse, float]] | None] = [
+            asyncio.ensure_future(self._ask(client, request, t0)) if only is None or m.name in only else None
+            for m, client in nodes]
+        asked = [c for c in calls if c is not None]
+        try:
+            if asked:
+                await asyncio.wait(asked, timeout=self.deadline_s)
+        except BaseException:  # the caller was cancelled: so are its calls, and their outcomes are read
+            for c in asked:
+                if not c.cancel() and not c.cancelled():
+                    c.exception()
+            raise
         out = []
-        for (m, _), f in zip(nodes, futures, strict=True):
-            if f is None:
+        for (m, _), c in zip(nodes, calls, strict=True):
+            if c is None:
                 out.append(NodeAnswer(m, SKIPPED, 0.0, reason="not asked (left out by the caller)"))
                 continue
-            if not f.done():
-                f.cancel()
+            if not c.done():
+                c.cancel()
                 out.append(NodeAnswer(m, UNAVAILABLE, (time.monotonic() - t0) * 1e3,
                                       reason=f"no answer within the deadline ({self.deadline_s * 1e3:g} ms)"))
                 continue
-            try:
-                msg, elapsed = f.result()
-            except KvtierError as exc:
+            exc = c.exception()
+            if isinstance(exc, KvtierError):
                 out.append(NodeAnswer(m, _status(exc), (time.monotonic() - t0) * 1e3, reason=str(exc)))
                 continue
+            if exc is not None:
+                raise exc  # a bug, not a node's answer
+            msg, elapsed = c.result()
             out.append(NodeAnswer(m, OK, elapsed, located=located_from_msg(msg)))
         return FleetAnswer(tuple(out), self.deadline_s * 1e3)
 
-    def _ask(self, client: LocateClient, request: pb.LocateRequest, t0: float) -> tuple[pb.LocateResponse, float]:
+    async def _ask(self, client: LocateClient, request: pb.LocateRequest, t0: float) -> tuple[pb.LocateResponse, float]:
         # The call's own deadline is what is left of the fleet's: a late answer is not waited for.
         left = self.deadline_s - (time.monotonic() - t0)
         if left <= 0:
             raise TierUnavailable("no time left before the deadline")
-        msg = client.locate(request, timeout_s=left)
+        msg = await client.locate(request, timeout_s=left)
         return msg, (time.monotonic() - t0) * 1e3
 
-    def close(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for _, c in self._nodes:
-            c.close()
-        for c in self._retired:
-            c.close()
-        self._retired = []
+    async def close(self) -> None:
+        retired, self._retired = self._retired, []
+        await _close_all([c for _, c in self._nodes] + retired)
+
+
+async def _close_all(clients: Sequence[LocateClient]) -> None:
+    await asyncio.gather(*(c.close() for c in clients))
 
 
 def _status(exc: KvtierError) -> str:

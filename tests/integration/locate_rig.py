@@ -9,10 +9,12 @@ and salt keys, as a real deployment's nodes do.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import urllib.error
 import urllib.request
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +28,11 @@ from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.security.policy import ROLE_ROUTER
 from kvtier.security.salts import ROLE_ENGINE
 from kvtier.server.daemon import Daemon
+from kvtier.server.fleet_view import FleetAnswer, FleetView, Member
 from kvtier.server.locate import Located, LocateQuery
 from kvtier.server.locate_wire import located_from_msg, query_to_msg
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
+from storage_backends.grpc_locate import GrpcLocateClient
 from tests.helpers import SECRET, SMALL, chain_blocks
 
 BT = SMALL.block_tokens
@@ -64,6 +68,23 @@ def deployment(root: Path, *, node: str = "n1", like: LocalDeployment | None = N
 def router(d: Daemon, dep: LocalDeployment) -> GrpcTier:
     return GrpcTier(GrpcTierConfig(d.address, dep.token("fleet", "router", roles=(ROLE_ROUTER,)), max_attempts=1,
                                    data_plane="tcp"))
+
+
+class BlockingFleet:
+    """A fleet view (its calls are coroutines) driven from a test's own event loop, with the
+    router's Locate clients: ``locate`` and ``close`` block until done."""
+
+    def __init__(self, members: Sequence[Member], token: str, deadline_s: float) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.view = FleetView(members, lambda m: GrpcLocateClient(
+            GrpcTierConfig(m.address, token, max_attempts=1, data_plane="tcp", name=m.name)), deadline_s)
+
+    def locate(self, query: LocateQuery, only: Collection[str] | None = None) -> FleetAnswer:
+        return self.loop.run_until_complete(self.view.locate(query, only))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.view.close())
+        self.loop.close()
 
 
 def locate(client: GrpcTier, tokens: list[int], salt: str = "", **query: Any) -> Located:

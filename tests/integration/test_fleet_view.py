@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,11 +24,11 @@ from kvtier.errors import AccessDenied
 from kvtier.keys import Scope
 from kvtier.server.daemon import Daemon
 from kvtier.server.embedded_s3 import EmbeddedS3
-from kvtier.server.fleet_view import OK, UNAVAILABLE, FleetView, Member
+from kvtier.server.fleet_view import OK, REFUSED, UNAVAILABLE, Member
 from kvtier.server.locate import LocateQuery
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import wait_for
-from tests.integration.locate_rig import BT, Engine, deployment, locate, router
+from tests.integration.locate_rig import BT, BlockingFleet, Engine, deployment, locate, router
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0
@@ -56,13 +56,6 @@ class DaemonProcess:
         self.log.close()
 
 
-def _connect(token: str) -> Callable[[Member], GrpcTier]:
-    def connect(m: Member) -> GrpcTier:
-        return GrpcTier(GrpcTierConfig(m.address, token, max_attempts=1, data_plane="tcp", name=m.name))
-
-    return connect
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,7 +70,7 @@ def test_a_stopped_and_a_frozen_node_are_reported_unavailable_within_the_deadlin
     c = DaemonProcess(dep_c)
     engine = Engine(a, dep_a)
     members = [Member("a", a.address), Member("b", b.address), Member("c", c.address)]
-    fleet = FleetView(members, _connect(dep_a.token("fleet", "router", roles=("router",))), DEADLINE_S)
+    fleet = BlockingFleet(members, dep_a.token("fleet", "router", roles=("router",)), DEADLINE_S)
     b_stopped = False
     try:
         alice = dep_a.salt("acme", "alice")
@@ -171,8 +164,8 @@ def shared_pair(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[list[Da
 def test_the_shared_tier_is_seen_from_every_node_at_its_price(shared_pair) -> None:
     (a, b), dep = shared_pair
     engine = Engine(a, dep)
-    fleet = FleetView([Member("a", a.address), Member("b", b.address)],
-                      _connect(dep.token("fleet", "router", roles=("router",))), 5.0)
+    fleet = BlockingFleet([Member("a", a.address), Member("b", b.address)],
+                          dep.token("fleet", "router", roles=("router",)), 5.0)
     try:
         alice = dep.salt("acme", "alice")
         engine.store(alice, PROMPT)
@@ -239,6 +232,17 @@ def test_a_revocation_reaches_every_nodes_locate_within_the_sync_interval(shared
         ops.revoke("principal", "acme/alice", reason="leaked salt")
         assert refused(ra)  # at once where it was made
         assert wait_for(lambda: refused(rb), timeout=10)  # and on b within a few sync intervals
+        # The router's view (its asyncio clients): both nodes up, both refusing alice, saying why.
+        fleet = BlockingFleet([Member("a", a.address), Member("b", b.address)],
+                              dep.token("fleet", "router", roles=("router",)), 5.0)
+        try:
+            got = fleet.locate(LocateQuery(tokens=tuple(PROMPT), salt=alice))
+            assert [n.status for n in got.nodes] == [REFUSED, REFUSED] and got.best() is None
+            assert all("revoked" in n.reason for n in got.nodes), [n.reason for n in got.nodes]
+            bob = fleet.locate(LocateQuery(tokens=tuple(PROMPT), salt=dep.salt("acme", "bob")))
+            assert [n.status for n in bob.nodes] == [OK, OK]  # control: the same view, another principal
+        finally:
+            fleet.close()
         assert locate(rb, PROMPT, dep.salt("acme", "bob")).matched_blocks == 0  # others still answered
         ops.revoke("principal", "acme/alice", lift=True, reason="new salt key")
         assert wait_for(lambda: not refused(rb), timeout=10)

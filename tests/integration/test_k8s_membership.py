@@ -237,10 +237,10 @@ class _Client:
     def __init__(self, member: Member, log: list[str]) -> None:
         self.member, self.log = member, log
 
-    def locate(self, request, *, timeout_s=None):  # pragma: no cover - not called here
+    async def locate(self, request, *, timeout_s=None):  # pragma: no cover - not called here
         raise AssertionError("not asked in this test")
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.log.append(self.member.name)
 
 
@@ -277,7 +277,7 @@ def test_the_router_follows_the_endpoints_and_keeps_them_when_the_api_fails(serv
         assert asyncio.run(view.refresh()) is True
         assert sorted(closed) == ["vllm-0", "vllm-1"]  # the two retired by the first change
     finally:
-        view.close()
+        asyncio.run(view.close())
     # Then every client: the three members' and the two retired by the last change (vllm-1 at .21, vllm-3).
     assert sorted(closed) == sorted(["vllm-0", "vllm-1", "vllm-0", "vllm-1", "vllm-2", "vllm-1", "vllm-3"])
 

@@ -4,6 +4,7 @@ carry no usable class name are mapped by their status code alone."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,7 +59,7 @@ def _forge(request: bytes, context: grpc.ServicerContext) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def channel() -> Iterator[grpc.Channel]:
+def target() -> Iterator[str]:
     server = grpc.server(ThreadPoolExecutor(max_workers=4))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvtier.test.Errors", {
         "Raise": grpc.unary_unary_rpc_method_handler(_raise),
@@ -67,12 +68,19 @@ def channel() -> Iterator[grpc.Channel]:
     }),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def channel(target: str) -> Iterator[grpc.Channel]:
+    ch = grpc.insecure_channel(target)
     try:
         yield ch
     finally:
         ch.close()
-        server.stop(None)
 
 
 def _unary(ch: grpc.Channel, method: str, request: str) -> grpc.RpcError:
@@ -131,6 +139,22 @@ def test_classes_outside_the_table(channel: grpc.Channel, name: str, code: grpc.
 def test_answers_without_a_usable_name_map_by_code(channel: grpc.Channel, forged: str,
                                                    arrives_as: type[KvtierError]) -> None:
     assert type(error_from(_unary(channel, "Forge", forged))) is arrives_as
+
+
+def test_an_asyncio_calls_error_maps_like_a_blocking_ones(target: str) -> None:
+    """grpc.aio's errors (the router's Locate client) are no grpc.Call: the class still travels."""
+
+    async def fail(request: str) -> grpc.RpcError:
+        async with grpc.aio.insecure_channel(target) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await ch.unary_unary("/kvtier.test.Errors/Raise")(request.encode(), timeout=10)
+        return exc.value
+
+    # RateLimited and Overloaded share a code: only the class name in the trailers tells them apart.
+    for cls in (RateLimited, Overloaded, AccessDenied):
+        err = error_from(asyncio.run(fail(cls.__name__)))
+        assert type(err) is cls and str(err).endswith("refused: details")
+    assert type(error_from(asyncio.run(fail("TransferError")))) is TierUnavailable
 
 
 def test_a_non_call_rpc_error_is_an_unavailable_daemon() -> None:

@@ -16,10 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
 from kvtier.server.daemon import Daemon
 from kvtier.server.embedded_s3 import EmbeddedS3
-from kvtier.server.fleet_view import FleetView, Member
+from kvtier.server.fleet_view import Member
 from kvtier.server.locate import LocateQuery
-from tests.integration.locate_rig import BT, Engine, deployment, publish
-from tests.integration.test_fleet_view import _connect
+from tests.integration.locate_rig import BT, BlockingFleet, Engine, deployment, publish
 
 
 def main() -> None:
@@ -39,8 +38,8 @@ def main() -> None:
     history = doc + list(range(40000, 40000 + 3 * BT))
     engine.store(alice, [*history, 1])
     a.store.flush_remote(10)
-    fleet = FleetView([Member("a", a.address), Member("b", b.address)],
-                      _connect(dep.token("fleet", "router", roles=("router",))), 5.0)
+    fleet = BlockingFleet([Member("a", a.address), Member("b", b.address)],
+                          dep.token("fleet", "router", roles=("router",)), 5.0)
     cases = {"hit+new": [*history, *range(50000, 50050)], "doc+new": [*doc, *range(50000, 50100)],
              "miss": list(range(60000, 60300))}
     try:
