@@ -8,6 +8,12 @@ reach (another node, another user, another container), a refusal (bounds, creden
 answer from some other daemon than the one this channel talks to. The caller then sends its
 bytes inline over gRPC: the fallback is automatic, and logged once per cause.
 
+A first attachment is made by the call that needs it (an engine pays it at start, in its
+warm-up). A re-attachment after a loss is made off the callers' path, in a thread of its own: a
+region is created and its pages faulted in, which took 0.1-1.4 s for an engine's 256 MiB on a
+busy host, and the call that found it gone may be an engine's step, holding up every request in
+the batch. Until it is done, calls go inline; in ``shm`` mode (required) the caller still waits.
+
 On CUDA the region is registered as pinned host memory, so a block read into it is one DMA away
 from the GPU, and the region doubles as the transfer staging buffer.
 """
@@ -176,8 +182,9 @@ class DataPlaneSession:
     """The shared-memory link of one channel (shared by every client on it).
 
     Modes: ``auto`` (shared memory when it can be had, else inline), ``shm`` (required: a
-    failure raises DataPlaneUnavailable), ``tcp`` (never). Thread-safe: attachment happens under
-    one lock; a link handed out stays valid until ``lost`` or ``close`` (calls in flight on a
+    failure raises DataPlaneUnavailable), ``tcp`` (never). Thread-safe: a first attachment happens
+    under one lock, a re-attachment in one thread of its own and is adopted under it (module
+    docstring); a link handed out stays valid until ``lost`` or ``close`` (calls in flight on a
     lost link fail with RegionUnavailable and are retried inline by the caller).
     """
 
@@ -190,6 +197,10 @@ class DataPlaneSession:
         self.region_bytes = region_bytes
         self._link: SharedMemoryLink | None = None
         self._failed_at = -RETRY_AFTER_S
+        #: A link was lost (``lost``) and none attached since: the next one is made off the path.
+        self._lost = False
+        self._reattaching: threading.Thread | None = None
+        self._closed = False
         #: Clients' own pages attached (``pages``), by memory file (device, inode); when each last failed.
         self._pages: dict[tuple[int, int], PagesLink] = {}
         self._pages_failed: dict[tuple[int, int], float] = {}
@@ -221,26 +232,65 @@ class DataPlaneSession:
                 return self._link
             if self.mode == "auto" and time.monotonic() - self._failed_at < RETRY_AFTER_S:
                 return None
+            if self.mode == "auto" and self._lost:
+                if self._reattaching is None and not self._closed:
+                    self._reattaching = threading.Thread(target=self._reattach, args=(offer, token), daemon=True,
+                                                         name="kvtier-data-plane-reattach")
+                    self._reattaching.start()
+                return None
             t0 = time.perf_counter()
             try:
-                self._link = SharedMemoryLink.attach(offer(), token(), self.region_bytes)
-                took_us = round((time.perf_counter() - t0) * 1e6)
-                self.attaches += 1
-                self.attach_us += took_us
-                log.info("shared-memory data plane attached", extra={
-                    "event": "data_plane", "bytes": self._link.nbytes, "attach_ms": round(took_us / 1000, 1)})
-                return self._link
+                link = SharedMemoryLink.attach(offer(), token(), self.region_bytes)
             except KvtierError as exc:  # DataPlaneUnavailable, or the DataPlane call failed
-                if not isinstance(exc, AccessDenied):
-                    # Refused to one caller (AccessDenied) is no reason to stop another client
-                    # of this channel, acting for someone else, from attaching: no pause for it.
-                    self._failed_at = time.monotonic()
+                self._attach_failed(exc)
                 if self.mode == "shm":
                     raise
-                if str(exc) != self._reason:
-                    log.info("inline data path", extra={"event": "data_plane", "reason": str(exc)})
-                self._reason = str(exc)
                 return None
+            self._adopt(link, t0)
+            return link
+
+    def _reattach(self, offer: Callable[[], pb.DataPlaneResponse], token: Callable[[], str]) -> None:
+        """After a loss, in a thread of its own (module docstring); calls go inline meanwhile."""
+        t0 = time.perf_counter()
+        try:
+            link = SharedMemoryLink.attach(offer(), token(), self.region_bytes)
+        except KvtierError as exc:
+            with self._lock:
+                self._reattaching = None
+                self._attach_failed(exc)
+            return
+        except Exception as exc:  # a bug: no region, said where it shows (state, log), not retried soon
+            log.exception("re-attaching the shared-memory region failed")
+            with self._lock:
+                self._reattaching = None
+                self._failed_at = time.monotonic()
+                self._reason = f"re-attaching failed: {exc!r}"
+            return
+        with self._lock:
+            self._reattaching = None
+            if self._closed:
+                link.close()
+                return
+            self._adopt(link, t0)
+
+    def _adopt(self, link: SharedMemoryLink, t0: float) -> None:
+        """Under the lock: ``link`` is the channel's from now on."""
+        took_us = round((time.perf_counter() - t0) * 1e6)
+        self._link, self._lost = link, False
+        self.attaches += 1
+        self.attach_us += took_us
+        log.info("shared-memory data plane attached", extra={
+            "event": "data_plane", "bytes": link.nbytes, "attach_ms": round(took_us / 1000, 1)})
+
+    def _attach_failed(self, exc: KvtierError) -> None:
+        """Under the lock: why there is no region now."""
+        if not isinstance(exc, AccessDenied):
+            # Refused to one caller (AccessDenied) is no reason to stop another client
+            # of this channel, acting for someone else, from attaching: no pause for it.
+            self._failed_at = time.monotonic()
+        if str(exc) != self._reason:
+            log.info("inline data path", extra={"event": "data_plane", "reason": str(exc)})
+        self._reason = str(exc)
 
     def pages(self, fd: int, offer: Callable[[], pb.DataPlaneResponse],
               token: Callable[[], str]) -> PagesLink | None:
@@ -283,12 +333,13 @@ class DataPlaneSession:
         """The daemon no longer knows ``link`` (it restarted): drop it; the next call re-attaches."""
         with self._lock:
             if self._link is link:
-                self._link = None
+                self._link, self._lost = None, True
                 self._reason = "the daemon lost the region; re-attaching"
         link.close()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             link, self._link = self._link, None
             pages, self._pages = list(self._pages.values()), {}
         if link is not None:
