@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -37,7 +38,15 @@ from typing import Any
 from benchmarks.common import stop_group, stop_process
 from benchmarks.fleet_client import TOP_LOGPROBS, stream_completion
 from benchmarks.progress import say
-from benchmarks.vllm_bench import Server, complete, llama_layout, wait_for_saves, wait_ready, write_model
+from benchmarks.vllm_bench import (
+    Server,
+    complete,
+    fresh_counters,
+    llama_layout,
+    wait_for_saves,
+    wait_ready,
+    write_model,
+)
 from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.errors import ConfigError, TierUnavailable
 
@@ -307,7 +316,11 @@ class Fleet:
         """What each engine does once, before any measured run, so no router's run pays it:
 
         - kvtier's first use (its connection's shared region, attached through a salt): a warm-up
-          principal's prompt computed and saved, then served from kvtier; then purged;
+          principal's prompt computed and saved, then served from kvtier; then purged. After
+          ``calibrate`` restarted the daemons, that save finds the engine's region gone and the
+          worker attaches a new one (off the step, in a thread: kvtier/dataplane/session.py),
+          waited for here: its 256 MiB of page faults (0.1-1.4 s of a core) used to fall in the
+          first run that saved on the engine, stalling that step (a first run's p99 of 1,743 ms);
         - vLLM's sampler compiled for the runs' requests: top log-probabilities are counted by a
           ``torch.compile``d kernel (vllm/v1/sample/ops/logprobs.py), compiled at an engine's first
           request that asks for them (1.4-2 s on this host) and again, for any batch size, at
@@ -317,10 +330,13 @@ class Fleet:
         salt = self.dep.salt("kvtier", "warmup")
         for node in self.nodes.values():
             assert node.engine is not None
+            attached = fresh_counters(node.engine, salt).get("worker", {}).get("data_plane_attaches", 0)
             complete(node.engine, list(tokens), salt, max_tokens=1, logprobs=0)
             wait_for_saves(node.engine, salt)
             self.reset_prefix_caches()
             complete(node.engine, list(tokens), salt, max_tokens=1, logprobs=0)
+            if attached:  # it had a region: the daemon's restart lost it; wait for the new one
+                self._wait_for_region(node.engine, salt, attached, tokens)
         self.purge([("kvtier", "warmup")])
 
         def sample(url: str) -> None:
@@ -332,6 +348,23 @@ class Fleet:
             for batch in (1, 2):  # one request alone, then two sampled in the same steps
                 with ThreadPoolExecutor(batch) as pool:
                     list(pool.map(sample, [node.url] * batch))
+
+    @staticmethod
+    def _wait_for_region(engine: Server, salt: str, attached: int, tokens: Sequence[int],
+                         timeout_s: float = 60.0) -> None:
+        """Until the engine's workers attached a region more than ``attached``: a save, each time
+        of new blocks (the warm-up's own ids, reordered), gives a worker that found its region
+        gone the call that re-attaches it."""
+        deadline = time.monotonic() + timeout_s
+        tries = 0
+        while fresh_counters(engine, salt).get("worker", {}).get("data_plane_attaches", 0) <= attached:
+            if time.monotonic() > deadline:
+                raise TierUnavailable(f"vllm serve ({engine.name}): its workers did not attach a new shared "
+                                      f"region within {timeout_s:.0f} s of the daemons' restart")
+            tries += 1
+            complete(engine, random.Random(tries).choices(sorted(set(tokens)), k=len(tokens)), salt,
+                     max_tokens=1, logprobs=0)
+            wait_for_saves(engine, salt)
 
     # -- between runs --------------------------------------------------------------------------
     def settle(self, salt: str) -> None:
