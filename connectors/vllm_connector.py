@@ -66,8 +66,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connectors.block_saver import BlockSaver
+from connectors.lookups_in_flight import LookupsInFlight
 from connectors.provision import CacheSource, Tenant, cache_source, kvtier_options, load_function
-from connectors.scoping import ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
+from connectors.scoping import ScopedLookup, ScopedPrompt, ScopeRule, load_decision, scope_rule, scoped_chain
 from connectors.vllm_events import KvEventReporter, kv_events_options, new_stream
 from connectors.vllm_pages import Gathered, LayerLoad, PagedKV, PageSink
 from connectors.vllm_stats import (
@@ -92,6 +93,11 @@ log = logging.getLogger("kvtier.connector")
 #: How long engine start waits for the daemon's connection (``kvtier.warm_up_timeout_s``): a
 #: daemon that is not up yet costs one warning and this wait, and requests then connect lazily.
 WARM_UP_TIMEOUT_S = 5.0
+#: How long a scheduling step waits for a request's lookup before answering vLLM "not yet"
+#: (``kvtier.lookup_wait_ms``): a usual lookup (1-2 ms) is answered in the step that asked.
+LOOKUP_WAIT_MS = 5.0
+#: Lookups in flight at once, off the step (each is a daemon call, mostly waiting on I/O).
+LOOKUP_WORKERS = 4
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -157,6 +163,17 @@ class _Match:
     found: dict[bytes, Lookup]
     #: The chains the scheduler derived for its lookups, by layout fingerprint.
     chains: dict[bytes, tuple[ChainBlock, ...]]
+
+
+@dataclass(slots=True, frozen=True)
+class _LookedUp:
+    """A request's lookup, made off the step maybe: the principal and what its cache holds, or
+    why there is no lookup (``skipped``: the counter to add, or ``short`` for a prompt of at most
+    one block, counted nowhere)."""
+
+    tenant: Tenant | None = None
+    found: ScopedLookup | None = None
+    skipped: str = ""
 
 
 @dataclass(slots=True)
@@ -295,6 +312,14 @@ class KvtierConnector(KVConnectorBase_V1):
         self.rule: ScopeRule = scope_rule(str(self.options.get("scope_rule", "private")),
                                           str(self.options.get("private_scope", "user")))
         self.load_async = bool(self.options.get("load_async", False))
+        #: Lookups off the scheduling step (connectors/lookups_in_flight.py), unless
+        #: ``kvtier.lookup_async`` is false; ``kvtier.lookup_wait_ms``: how long a step waits for one.
+        self._lookups: LookupsInFlight[_LookedUp] | None = None
+        if role == KVConnectorRole.SCHEDULER and bool(self.options.get("lookup_async", True)):
+            wait_ms = self.options.get("lookup_wait_ms", LOOKUP_WAIT_MS)
+            if isinstance(wait_ms, bool) or not isinstance(wait_ms, int | float) or not 0 <= wait_ms <= 1000:
+                raise ConfigError(f"kvtier.lookup_wait_ms: a number of milliseconds in [0, 1000], got {wait_ms!r}")
+            self._lookups = LookupsInFlight(LOOKUP_WORKERS, wait_ms / 1e3)
         #: ``kvtier.planner`` (``module:function``, called with the layout): the cost model that
         #: decides how much of a hit to reload; without one, every hit is reloaded.
         self.planner: CostModel | None = planner_from(self.options.get("planner"), self.layout)
@@ -413,17 +438,6 @@ class KvtierConnector(KVConnectorBase_V1):
     # =============================================================================================
     # Scheduler side
     # =============================================================================================
-    def _tenant(self, salt: str | None) -> Tenant | None:
-        """The request's principal and cache; None (served without kvtier, counted) when it has no
-        salt, or the salt is refused, or the daemon cannot be reached."""
-        try:
-            return self.source.for_salt(salt)
-        except AccessDenied:  # AuthError included: a forged or expired salt is refused, not served
-            self.stats["salt_rejected"] += 1
-        except TierUnavailable:  # the daemon is down: recompute, never crash the engine
-            self.stats["source_unavailable"] += 1
-        return None
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matched.pop(request.request_id, None)
         if not self.load_enabled:
@@ -432,19 +446,23 @@ class KvtierConnector(KVConnectorBase_V1):
         if not salt:  # no identity: served without kvtier, and counted (docs/connectors.md)
             self.stats["no_salt"] += 1
             return 0, False
-        tenant = self._tenant(salt)
         tokens = list(request.prompt_token_ids or ())
-        if tenant is None or len(tokens) <= self.block_tokens:
+        if self._lookups is None:
+            looked = self._look_up(salt, tokens)
+        else:
+            asked = self._lookups.ask(request.request_id, lambda: self._look_up(salt, tokens))
+            if asked is None:  # still running: vLLM asks again at a later step, the batch goes on
+                self.stats["lookup_deferred"] += 1
+                return None, False
+            looked = asked
+        if looked.skipped:
+            if looked.skipped != "short":
+                self.stats[looked.skipped] += 1
             return 0, False
-        # The first output token needs a forward pass over at least one prompt token.
+        tenant, found = looked.tenant, looked.found
+        assert tenant is not None and found is not None
         n_blocks = (len(tokens) - 1) // self.block_tokens
-        try:
-            cache, principal = tenant.cache, tenant.principal
-            found = self.rule.scoped_lookup(cache, principal, tokens, n_blocks)
-            prompt, lookup = found.prompt, found.lookup
-        except AccessDenied:  # revoked or rate-limited principal: served without kvtier
-            self.stats["lookup_refused"] += 1
-            return 0, False
+        prompt, lookup = found.prompt, found.lookup
         lookups, chains = {self.layout.fingerprint: lookup}, {self.layout.fingerprint: found.chain}
         held = self._rank_lookups(salt, prompt, n_blocks, lookup.length, lookups, chains)
         planned = lookup if held == lookup.length else lookup.slice(0, held)
@@ -456,6 +474,26 @@ class KvtierConnector(KVConnectorBase_V1):
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.load_async
+
+    def _look_up(self, salt: str, tokens: list[int]) -> _LookedUp:
+        """The request's principal and what its cache holds of the prompt: the step's I/O (the
+        salt resolved, the daemon's Lookup), which may run off the step. Counts nothing itself:
+        its outcome is counted on the scheduler's thread."""
+        try:
+            tenant = self.source.for_salt(salt)
+        except AccessDenied:  # AuthError included: a forged or expired salt is refused, not served
+            return _LookedUp(skipped="salt_rejected")
+        except TierUnavailable:  # the daemon is down: recompute, never crash the engine
+            return _LookedUp(skipped="source_unavailable")
+        if tenant is None or len(tokens) <= self.block_tokens:
+            return _LookedUp(skipped="short")
+        # The first output token needs a forward pass over at least one prompt token.
+        n_blocks = (len(tokens) - 1) // self.block_tokens
+        try:
+            found = self.rule.scoped_lookup(tenant.cache, tenant.principal, tokens, n_blocks)
+        except AccessDenied:  # revoked or rate-limited principal: served without kvtier
+            return _LookedUp(skipped="lookup_refused")
+        return _LookedUp(tenant=tenant, found=found)
 
     def _rank_lookups(self, salt: str, prompt: ScopedPrompt, n_blocks: int, held: int,
                       lookups: dict[bytes, Lookup], chains: dict[bytes, tuple[ChainBlock, ...]]) -> int:
@@ -574,6 +612,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._hit_sources.pop(request.request_id, None)
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
         return False, None
 
     # =============================================================================================
@@ -869,6 +909,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return bad
 
     def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
         if self.kv_events is not None:
             self.kv_events.close()
         self._join_load()

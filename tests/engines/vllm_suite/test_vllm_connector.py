@@ -11,6 +11,8 @@ scheduler: request_finished) on CPU tensors laid out by vLLM's own ``create_kv_c
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -125,10 +127,20 @@ class StepResult:
     finished_recving: set[str] | None
 
 
+def matched_tokens(sched: KvtierConnector, req: Request, computed: int) -> tuple[int | None, bool]:
+    """``get_num_new_matched_tokens`` once it has an answer: while the connector's lookup runs off
+    the step it answers None, and vLLM's scheduler asks again at a later step, as here."""
+    deadline = time.monotonic() + 30
+    while (got := sched.get_num_new_matched_tokens(req, computed))[0] is None:
+        assert time.monotonic() < deadline, "the lookup never finished"
+        time.sleep(0.001)
+    return got
+
+
 def schedule(sched: KvtierConnector, req: Request, block_ids: list[int]) -> tuple[SchedulerOutput, int, bool]:
     """The scheduler's side of one step that admits ``req``: its output (with the connector's
     metadata), the tokens kvtier matched and whether they load asynchronously."""
-    matched, is_async = sched.get_num_new_matched_tokens(req, 0)
+    matched, is_async = matched_tokens(sched, req, 0)
     assert matched is not None
     sched.update_state_after_alloc(req, blocks_of(block_ids), matched)
     computed = 0 if is_async else matched
@@ -229,18 +241,66 @@ def test_another_tenant_and_forged_or_missing_salts_get_nothing(salt_key_file: s
     eng = make_engine(vllm_config(salt_key_file))
     tokens = prompt(80)
     run_prefill(eng, request("r1", tokens, mint_salt(SALT_KEY, "acme", "alice")), list(range(6)), fill_seed=2)
-    other = eng.scheduler.get_num_new_matched_tokens(request("r2", tokens, mint_salt(SALT_KEY, "globex", "bob")), 0)
+    other = matched_tokens(eng.scheduler, request("r2", tokens, mint_salt(SALT_KEY, "globex", "bob")), 0)
     assert other == (0, False)
     forged = "kvs2:acme:alice:" + "0" * 32  # names alice, but the MAC is not the deployment's
-    assert eng.scheduler.get_num_new_matched_tokens(request("r3", tokens, forged), 0) == (0, False)
+    assert matched_tokens(eng.scheduler, request("r3", tokens, forged), 0) == (0, False)
     wrong_key = mint_salt(b"another-deployment-salt-key-0123456789ab", "acme", "alice")
-    assert eng.scheduler.get_num_new_matched_tokens(request("r4", tokens, wrong_key), 0) == (0, False)
-    assert eng.scheduler.get_num_new_matched_tokens(request("r5", tokens, "not a salt"), 0) == (0, False)
-    assert eng.scheduler.get_num_new_matched_tokens(request("r6", tokens, None), 0) == (0, False)
+    assert matched_tokens(eng.scheduler, request("r4", tokens, wrong_key), 0) == (0, False)
+    assert matched_tokens(eng.scheduler, request("r5", tokens, "not a salt"), 0) == (0, False)
+    assert matched_tokens(eng.scheduler, request("r6", tokens, None), 0) == (0, False)
     assert eng.scheduler.stats["salt_rejected"] == 3 and eng.scheduler.stats["no_salt"] == 1
     # The rightful owner still hits.
-    assert eng.scheduler.get_num_new_matched_tokens(request("r7", tokens, mint_salt(SALT_KEY, "acme", "alice")),
+    assert matched_tokens(eng.scheduler, request("r7", tokens, mint_salt(SALT_KEY, "acme", "alice")),
                                                     0) == (4 * BLOCK, False)
+
+
+def test_a_slow_lookup_is_answered_at_a_later_step_and_holds_up_no_other_request(
+        salt_key_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's scheduler skips a request whose connector answers None and asks again at a later
+    step: a slow lookup (a daemon probing S3 on a busy host took 200-570 ms) no longer holds up
+    the step and every request in it."""
+    eng = make_engine(vllm_config(salt_key_file))
+    sched = eng.scheduler
+    salt = mint_salt(SALT_KEY, "acme", "alice")
+    tokens = prompt(80)
+    run_prefill(eng, request("r1", tokens, salt), list(range(6)), fill_seed=5)
+    entered, release = threading.Event(), threading.Event()
+    looked_up = sched.rule.scoped_lookup
+
+    def held(*args, **kwargs):  # the cache's real lookup, held until the test lets it finish
+        entered.set()
+        assert release.wait(30)
+        return looked_up(*args, **kwargs)
+
+    monkeypatch.setattr(sched.rule, "scoped_lookup", held)
+    try:
+        slow = request("r2", tokens, salt)
+        assert sched.get_num_new_matched_tokens(slow, 0) == (None, False)  # not known yet: a later step
+        assert entered.wait(10)
+        assert sched.get_num_new_matched_tokens(slow, 0) == (None, False)  # still running
+        # Meanwhile the step goes on: a request without a salt, and one whose salt is refused.
+        assert sched.get_num_new_matched_tokens(request("r3", tokens, None), 0) == (0, False)
+        assert matched_tokens(sched, request("r4", tokens, "not a salt"), 0) == (0, False)
+        # A request that finishes while its lookup runs leaves nothing behind.
+        gone = request("r5", tokens, salt)
+        assert sched.get_num_new_matched_tokens(gone, 0) == (None, False)
+        sched.request_finished(gone, [])
+        release.set()
+        assert matched_tokens(sched, slow, 0) == (4 * BLOCK, False)  # the answer, once it is there
+        assert sched.stats["lookup_deferred"] >= 3 and len(sched._lookups) == 0
+    finally:
+        release.set()
+    # Control: with kvtier.lookup_async off, the step waits for the lookup and answers at once.
+    blocking = make_engine(vllm_config(salt_key_file, lookup_async=False)).scheduler
+    assert blocking._lookups is None
+    assert blocking.get_num_new_matched_tokens(request("r6", tokens, salt), 0) == (4 * BLOCK, False)
+
+
+@pytest.mark.parametrize("bad", [-1, 5000, "5", True])
+def test_a_bad_lookup_wait_is_refused(salt_key_file: str, bad: object) -> None:
+    with pytest.raises(ConfigError, match="lookup_wait_ms"):
+        make_engine(vllm_config(salt_key_file, lookup_wait_ms=bad))
 
 
 def test_local_prefix_hit_loads_only_the_blocks_after_it(salt_key_file: str) -> None:
@@ -251,7 +311,7 @@ def test_local_prefix_hit_loads_only_the_blocks_after_it(salt_key_file: str) -> 
     saved = pages(eng, [2, 3, 4])
     # vLLM already holds 2 blocks locally: kvtier offers the 3 after them.
     req = request("r2", tokens, salt)
-    assert eng.scheduler.get_num_new_matched_tokens(req, 2 * BLOCK) == (3 * BLOCK, False)
+    assert matched_tokens(eng.scheduler, req, 2 * BLOCK) == (3 * BLOCK, False)
     eng.scheduler.update_state_after_alloc(req, blocks_of([0, 1, 40, 41, 42, 43]), 3 * BLOCK)
     out = SchedulerOutput.make_empty()
     meta = eng.scheduler.build_connector_meta(out)
@@ -274,7 +334,7 @@ def lookup_then_lose_blocks(eng: Engine, seed: int) -> tuple[Request, list[int]]
     tokens = prompt(4 * BLOCK + 1)
     run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=seed)
     req = request("r2", tokens, salt)
-    assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
+    assert matched_tokens(eng.scheduler, req, 0) == (4 * BLOCK, False)
     cache = eng.scheduler.source.cache
     chain = cache.chain(Principal("acme", "alice"), [RequestSegment(tokens[: 4 * BLOCK], ScopeKind.USER)])
     cache.store.delete([c.key for c in chain[2:]])
@@ -384,8 +444,8 @@ def test_public_registry_shares_a_published_document_across_tenants(salt_key_fil
     # Bob's private block (after the document) was saved in his own scope, never in public.
     assert eng.worker.stats["saved_blocks"] == 1
     carol = mint_salt(SALT_KEY, "initech", "carol")
-    assert eng.scheduler.get_num_new_matched_tokens(request("c1", doc + question, carol), 0) == (4 * BLOCK, False)
-    assert eng.scheduler.get_num_new_matched_tokens(request("b2", doc + question, bob), 0) == (5 * BLOCK, False)
+    assert matched_tokens(eng.scheduler, request("c1", doc + question, carol), 0) == (4 * BLOCK, False)
+    assert matched_tokens(eng.scheduler, request("b2", doc + question, bob), 0) == (5 * BLOCK, False)
 
 
 def test_chunked_prefill_saves_each_block_once(salt_key_file: str) -> None:
@@ -393,7 +453,7 @@ def test_chunked_prefill_saves_each_block_once(salt_key_file: str) -> None:
     salt = mint_salt(SALT_KEY, "acme", "alice")
     tokens = prompt(4 * BLOCK + 2)
     req = request("r1", tokens, salt)
-    assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched_tokens(eng.scheduler, req, 0) == (0, False)
     eng.scheduler.update_state_after_alloc(req, blocks_of([0, 1]), 0)
     out = SchedulerOutput.make_empty()
     out.scheduled_new_reqs = [NewRequestData(req_id="r1", prompt_token_ids=tokens, mm_features=[],
@@ -421,7 +481,7 @@ def test_chunked_prefill_saves_each_block_once(salt_key_file: str) -> None:
         w.clear_connector_metadata()
     assert w.stats["saved_blocks"] == 4 and w.stats["keys_derived"] == 4
     # Control: keys derived from scratch (another request, same tokens) find all four blocks.
-    assert eng.scheduler.get_num_new_matched_tokens(request("r2", tokens, salt), 0) == (4 * BLOCK, False)
+    assert matched_tokens(eng.scheduler, request("r2", tokens, salt), 0) == (4 * BLOCK, False)
     w.get_finished({"r1"})
     assert "r1" not in w._chains
 
@@ -480,12 +540,12 @@ def test_hit_sources_name_the_tier_each_loaded_token_came_from(salt_key_file: st
     tokens = prompt(5 * BLOCK + 3)
     run_prefill(eng, request("r1", tokens, salt), list(range(6)), fill_seed=5)
     req = request("r2", tokens, salt)
-    assert eng.scheduler.get_num_new_matched_tokens(req, 2 * BLOCK) == (3 * BLOCK, False)
+    assert matched_tokens(eng.scheduler, req, 2 * BLOCK) == (3 * BLOCK, False)
     eng.scheduler.update_state_after_alloc(req, blocks_of([0, 1, 40, 41, 42, 43]), 3 * BLOCK)
     assert eng.scheduler.get_external_cache_hit_sources(req, 3 * BLOCK) == {CacheHitSource.HOST: 3 * BLOCK}
     # Control: a count other than the planned one is not attributed to a tier.
     req3 = request("r3", tokens, salt)
-    eng.scheduler.get_num_new_matched_tokens(req3, 0)
+    matched_tokens(eng.scheduler, req3, 0)
     eng.scheduler.update_state_after_alloc(req3, blocks_of(list(range(10, 16))), 5 * BLOCK)
     assert eng.scheduler.get_external_cache_hit_sources(req3, 4 * BLOCK) == {
         CacheHitSource.EXTERNAL_UNSPECIFIED: 4 * BLOCK}
@@ -506,11 +566,11 @@ def test_the_connector_passes_its_planner(salt_key_file: str) -> None:
     salt = mint_salt(SALT_KEY, "acme", "alice")
     tokens = prompt(4 * BLOCK + 3)
     run_prefill(eng, request("r1", tokens, salt), list(range(5)), fill_seed=6)
-    assert eng.scheduler.get_num_new_matched_tokens(request("r2", tokens, salt), 0) == (0, False)
+    assert matched_tokens(eng.scheduler, request("r2", tokens, salt), 0) == (0, False)
     assert eng.scheduler.stats["plan:full-recompute"] == 1
     # Control: without a planner the same hit is reloaded in full.
     plain = make_engine(vllm_config(salt_key_file))
-    assert plain.scheduler.get_num_new_matched_tokens(request("r3", tokens, salt), 0) == (4 * BLOCK, False)
+    assert matched_tokens(plain.scheduler, request("r3", tokens, salt), 0) == (4 * BLOCK, False)
     with pytest.raises(ConfigError, match=r"kvtier\.planner"):
         make_engine(vllm_config(salt_key_file, planner="no_such_module:f"))
 
@@ -668,7 +728,7 @@ def test_a_save_after_a_hit_derives_only_the_blocks_it_saves(salt_key_file: str)
     assert res.matched == 3 * BLOCK
     assert eng.worker.stats["saved_blocks"] == 5 and eng.worker.stats["keys_derived"] == 3 + 2
     # The keys continued from the scheduler's block are the chain's own: a fresh request finds all 5.
-    assert eng.scheduler.get_num_new_matched_tokens(request("r3", longer, salt), 0) == (5 * BLOCK, False)
+    assert matched_tokens(eng.scheduler, request("r3", longer, salt), 0) == (5 * BLOCK, False)
 
 
 def _tp_engine(salt_key_file: str) -> tuple[KvtierConnector, list[Engine]]:
