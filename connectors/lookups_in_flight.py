@@ -6,8 +6,8 @@ cache (a daemon's Lookup, which may probe S3), no request of the engine is sched
 lookup that took 200-570 ms on a busy host stalled every request in the batch. vLLM's answer
 ``None`` means "not known yet, ask me again at a later step": the scheduler skips that request
 only. So each request's lookup runs in a small pool; the call waits at most ``inline_wait_s``
-for it (the usual lookup, 1-2 ms, is then answered in the same step) and otherwise answers
-``None`` until the lookup is done.
+for it (a usual lookup is then answered in the same step, as a blocking call would be) and
+otherwise answers ``None`` until the lookup is done.
 
 Protocol (scheduler thread only): ``ask(request_id, fn)`` per call of
 ``get_num_new_matched_tokens`` -> ``fn``'s result once it is done (its exception re-raised), or

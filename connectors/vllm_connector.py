@@ -94,8 +94,13 @@ log = logging.getLogger("kvtier.connector")
 #: daemon that is not up yet costs one warning and this wait, and requests then connect lazily.
 WARM_UP_TIMEOUT_S = 5.0
 #: How long a scheduling step waits for a request's lookup before answering vLLM "not yet"
-#: (``kvtier.lookup_wait_ms``): a usual lookup (1-2 ms) is answered in the step that asked.
-LOOKUP_WAIT_MS = 5.0
+#: (``kvtier.lookup_wait_ms``). A lookup answered within it is answered in the step that asked,
+#: as a blocking call would be; only one slower than this (a daemon probing S3 on a busy host:
+#: 206-570 ms seen) is left to a later step. At 5 ms, lookups of 12-23 ms (the fleet bench's
+#: daemons under load) were deferred, and the requests waited 9-53 ms more before being scheduled
+#: (vLLM's queue time, 0 with blocking lookups): the scheduler re-asks in a loop that holds the
+#: GIL the lookup's thread needs, and a deferred request waits for the step after its answer.
+LOOKUP_WAIT_MS = 50.0
 #: Lookups in flight at once, off the step (each is a daemon call, mostly waiting on I/O).
 LOOKUP_WORKERS = 4
 
