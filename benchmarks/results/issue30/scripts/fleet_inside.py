@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,27 +55,28 @@ def cpu_ticks() -> dict[str, list[Any]]:
     return out
 
 
-def engine_metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+def scraped(url: str, key: Callable[[str], str | None]) -> dict[str, float]:
+    """The Prometheus samples of ``url`` that ``key`` names (None: skipped), summed by that name."""
+    with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        for m in VLLM_METRICS:
-            if name in (f"{m}_sum", f"{m}_count"):
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        name = None if line.startswith("#") else key(line.rsplit(" ", 1)[0])
+        if name is not None:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def engine_metrics(url: str) -> dict[str, float]:
+    """vLLM's request timings (sum and count), every label set summed."""
+    wanted = {f"{m}_{k}" for m in VLLM_METRICS for k in ("sum", "count")}
+    return scraped(f"{url}/metrics", lambda sample: n if (n := sample.split("{", 1)[0]) in wanted else None)
 
 
 def daemon_metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvtier_rpc_latency_seconds_sum{") or line.startswith("kvtier_rpc_latency_seconds_count{"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+    """The daemon's RPC latency (sum and count) per method."""
+    prefixes = ("kvtier_rpc_latency_seconds_sum{", "kvtier_rpc_latency_seconds_count{")
+    return scraped(f"http://127.0.0.1:{port}/metrics", lambda sample: sample if sample.startswith(prefixes) else None)
 
 
 def record(out: Path) -> None:
