@@ -291,9 +291,11 @@ def test_a_repeated_prefix_goes_where_it_is_cached_and_outputs_are_identical(wor
     got = complete(world.url, alice, prompt=Q)
     assert (got.engine, got.route, got.cached) == (ref_q.engine, "cache", FULL)
     same(ref_q.output, got, "Q again")
-    # Another tenant: nothing of alice's, no edge, computed (and the same output).
+    # Another tenant: nothing of alice's, no cache edge, computed (and the same output). The load
+    # decides: tied engines ("balanced"), or "queue" while one still reports alice's last request
+    # (the engines' load is polled); never "cache" or "held", which would be alice's blocks.
     bob = complete(world.url, world.dep.salt("globex", "bob"), prompt=P)
-    assert bob.route == "balanced" and bob.cached == 0
+    assert bob.route in ("balanced", "queue") and bob.cached == 0, bob.route
     same(ref_p.output, bob, "bob's P")
     # Chat: the conversation's ids as the template renders them.
     msgs = [{"role": "user", "content": text_of(CHAT_DOC)}]
