@@ -276,7 +276,9 @@ def test_a_repeated_prefix_goes_where_it_is_cached_and_outputs_are_identical(wor
     # First sight: computed wherever the load puts it; these are the reference outputs.
     ref_p = complete(world.url, alice, prompt=P)
     ref_q = complete(world.url, alice, prompt=Q)
-    assert ref_p.cached == ref_q.cached == 0 and ref_p.route == ref_q.route == "balanced"
+    # By load: tied engines rotate ("balanced"); Q may also leave P's engine by its queue alone
+    # while that engine still reports P ("queue": the engines' load is polled).
+    assert ref_p.cached == ref_q.cached == 0 and ref_p.route == "balanced" and ref_q.route in ("balanced", "queue")
     assert {ref_p.engine, ref_q.engine} == {"a", "b"}, "two idle engines: one request each"
     _until_held(world, ref_p.engine, alice, P, FULL // BT)
     _until_held(world, ref_q.engine, alice, Q, FULL // BT)
@@ -344,10 +346,14 @@ def test_a_daemon_frozen_mid_run_the_router_answers_by_load_and_returns(world: W
     assert down, "the frozen daemon's node was taken out"
     why = (holder, [(g.engine, g.route, g.cached) for g in during], (world.root / "router.log").read_text()[-3000:])
     assert not any(g.engine == holder and g.route in ("cache", "held") for g in during), why
-    assert during[0].route == "balanced" or (during[0].engine, during[0].route, during[0].cached) == (
+    assert during[0].route in ("balanced", "queue") or (during[0].engine, during[0].route, during[0].cached) == (
         other, "cache", FULL), why
-    assert [g.route for g in during[1:]] == ["balanced"] * 2 and {g.engine for g in during} == {holder, other}, why
-    assert all(g.cached == 0 for g in during if g.route == "balanced"), why
+    # f1 and f2 went by load: tied engines rotate (balanced); an engine still finishing the
+    # request before may be predicted slower and lose by its queue alone (queue).
+    assert all(g.route in ("balanced", "queue") for g in during[1:]), why
+    if [g.route for g in during] == ["balanced"] * 3:
+        assert {g.engine for g in during} == {holder, other}, why
+    assert all(g.cached == 0 for g in during if g.route in ("balanced", "queue")), why
     for i, (want, got) in enumerate(zip(refs, during, strict=True)):
         same(want, got, f"request {i} with {holder}'s daemon frozen (served by {got.engine})")
     # Thawed: the router asks the node again, and the prefix is served from kvtier again: from
@@ -363,5 +369,5 @@ def test_a_daemon_frozen_mid_run_the_router_answers_by_load_and_returns(world: W
     same(first.output, back, "after the thaw")
     if during[0].engine == holder:
         assert (back.engine, back.route) == (holder, "cache")
-    else:
-        assert back.route == "balanced"
+    else:  # both nodes hold s: no cache edge, the load decides
+        assert back.route in ("balanced", "queue")
