@@ -109,6 +109,7 @@ class EngineWatch:
                 if r.status != 200:
                     self.mark_down(e.name, f"/health answered {r.status}")
                     return
+            asked_at = time.monotonic()  # the engine's counts are as of some moment after this
             async with self.session.get(e.url + "/metrics", timeout=self.timeout) as r:
                 text = await r.text()
                 if r.status != 200:
@@ -125,7 +126,7 @@ class EngineWatch:
         except ValueError:
             self.mark_down(e.name, "/metrics is not Prometheus text")
             return
-        self.queue.polled(e.name, load, time.monotonic())
+        self.queue.polled(e.name, load, time.monotonic(), asked_at)
         if load.cache_blocks is not None:
             self.cached.capacity(e.name, load.cache_blocks)
         elif e.name not in self._unsized:

@@ -7,7 +7,11 @@ Per engine ``e``, at time ``now``::
                    until its first chunk arrives; a non-streamed one (whose first byte is the whole
                    answer) until its answer or the first-token time predicted when it was sent
     others_e       e's waiting requests that are not this router's: vLLM's
-                   vllm:num_requests_waiting at the last poll, less own_ahead_e at that poll (>= 0)
+                   vllm:num_requests_waiting at the last poll, less this router's requests that
+                   were ahead at any moment while that poll was answered (>= 0): those still ahead
+                   when it arrived, and those whose first chunk came after it was asked (the
+                   engine may have counted them before that chunk; counted as others they made a
+                   phantom queue that sent a cached prefix away from its engine until the next poll)
     prefill_e      the mean prefill time measured at e (below); until the first measurement,
                    the prior the caller gives (the request's own recompute price)
     wait_e         = (own_ahead_e + others_e) x prefill_e
@@ -26,7 +30,8 @@ Load (what the router balances when the prediction gives no engine an edge)::
 
 Protocol, per request: ``predict`` every engine -> ``sent`` to the one chosen (a ``Ticket``) ->
 ``first_byte(ticket)`` when its first chunk comes -> ``done(ticket)`` when the attempt ends, in
-every case (answered, failed, cancelled). ``polled`` whenever an engine's metrics arrive.
+every case (answered, failed, cancelled). ``polled`` whenever an engine's metrics arrive, with the
+time they were asked for.
 Not thread-safe: the router calls it from its event loop only. Times are ``time.monotonic()``
 seconds, given by the caller.
 """
@@ -34,6 +39,7 @@ seconds, given by the caller.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,6 +47,9 @@ from kvtier.router.engine_load import EngineLoad
 
 #: Weight of the newest prefill sample in the engine's running mean.
 EWMA_WEIGHT = 0.2
+#: First chunks kept per engine to match against a poll's window (seconds); a poll answered
+#: slower than this may count a request this router no longer subtracts.
+FIRSTS_KEPT_S = 30.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +88,8 @@ class _Engine:
     own_inflight_at_poll: int = 0
     prefill_s: float | None = None
     last_first_at: float | None = None
+    #: When this router's attempts at the engine got their first chunk, oldest first.
+    firsts: deque[float] = field(default_factory=deque)
 
 
 class QueueModel:
@@ -94,10 +105,14 @@ class QueueModel:
         self._ids = itertools.count(1)
 
     # -- what the engines report --------------------------------------------------------------------
-    def polled(self, engine: str, load: EngineLoad, now: float) -> None:
+    def polled(self, engine: str, load: EngineLoad, now: float, asked_at: float | None = None) -> None:
+        """The engine's counts, asked for at ``asked_at`` (default ``now``) and arrived ``now``."""
         e = self._engines[engine]
+        asked = now if asked_at is None else min(asked_at, now)
+        while e.firsts and e.firsts[0] < now - FIRSTS_KEPT_S:
+            e.firsts.popleft()
         e.load = load
-        e.own_ahead_at_poll = self._own_ahead(engine, now)
+        e.own_ahead_at_poll = self._own_ahead(engine, now) + sum(1 for t in e.firsts if t >= asked)
         e.own_inflight_at_poll = self._own_inflight(engine)
 
     # -- the prediction -----------------------------------------------------------------------------
@@ -125,9 +140,10 @@ class QueueModel:
         if a.first_at is not None:
             return None
         a.first_at = now
+        e = self._engines[a.engine]
+        e.firsts.append(now)
         if not a.streaming:
             return None
-        e = self._engines[a.engine]
         start = a.sent_at if e.last_first_at is None else max(a.sent_at, e.last_first_at)
         sample = max(0.0, now - start)
         e.last_first_at = now

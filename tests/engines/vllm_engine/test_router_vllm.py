@@ -43,6 +43,8 @@ from kvtier.engine.models import model_spec
 ROOT = Path(__file__).resolve().parents[3]
 DAEMON_PYTHON = os.environ.get("KVTIER_DAEMON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
 BT = 32
+#: How often the router polls each engine's load (its --poll-ms).
+POLL_S = 0.5
 MODEL = replace(model_spec("small"), dtype="float32", vocab_size=1024, block_tokens=BT)
 MODEL_ID = "router-suite-llama"
 TOLERANCE = LOGPROB_TOLERANCE[MODEL.dtype]
@@ -209,7 +211,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         router_token.chmod(0o600)
         ready = root / "router.json"
         cmd = [DAEMON_PYTHON, "-m", "kvtier.cli", "route", "--listen", "127.0.0.1:0", "--token-file",
-               str(router_token), "--tokenizer", str(model), "--deadline-ms", "2000", "--poll-ms", "500",
+               str(router_token), "--tokenizer", str(model), "--deadline-ms", "2000",
+               "--poll-ms", str(round(POLL_S * 1e3)),
                "--health-timeout-ms", "2000", "--probe-ms", "500", "--ready-file", str(ready),
                "--log-level", "debug"]  # each decision in router.log: a failure here can be read
         for name, n in nodes.items():
@@ -245,10 +248,16 @@ def _holds(world: World, node: str, salt: str, tokens: list[int]) -> int:
 
 
 def _until_held(world: World, node: str, salt: str, tokens: list[int], blocks: int) -> None:
+    """Until ``node``'s daemon holds the prompt's ``blocks``, and the router has polled the engines
+    twice since its last request (their load as it sees it is the engines' idle one)."""
     deadline = time.monotonic() + 60
     while _holds(world, node, salt, tokens) < blocks:
         assert time.monotonic() < deadline, f"node {node} never held the prompt's {blocks} blocks"
         time.sleep(0.2)
+    while any(e["inflight"] for e in _health(world.url)["engines"].values()):
+        assert time.monotonic() < deadline, "the router still has requests in flight"
+        time.sleep(0.1)
+    time.sleep(2 * POLL_S + 0.2)
 
 
 def test_the_router_tokenizes_as_vllm_does(world: World) -> None:

@@ -71,3 +71,27 @@ def test_the_engines_own_counts_add_what_is_not_this_routers() -> None:
     q.polled("a", EngineLoad(running=0, waiting=0, known=True), 0.4)
     est = q.predict("a", 0.4, prior_s=0.5)
     assert (est.ahead, est.load) == (0, 1)
+
+
+def test_a_request_that_got_its_first_chunk_while_the_poll_was_answered_is_not_counted_as_another():
+    """The engine's counts are as of some moment between the poll's asking and its arrival: this
+    router's request, waiting then, may be in them though its first chunk came before they arrived."""
+    q = QueueModel(["a"])
+    mine = q.sent("a", 0.0, streaming=True, expected_first_s=1.0)
+    q.first_byte(mine, 0.6)
+    q.done(mine)
+    # Asked at 0.5, while it was still waiting (the engine counted it), arrived at 0.7.
+    q.polled("a", EngineLoad(running=0, waiting=1, known=True), 0.7, asked_at=0.5)
+    est = q.predict("a", 0.8, prior_s=0.5)
+    assert (est.ahead, est.wait_s) == (0, 0.0)
+    # Control: a request that got its first chunk before the poll was asked is not in the engine's
+    # waiting count, so a waiting request there is another's.
+    q.polled("a", EngineLoad(running=0, waiting=1, known=True), 1.7, asked_at=1.5)
+    est = q.predict("a", 1.8, prior_s=0.5)
+    assert (est.ahead, est.wait_s) == (1, pytest.approx(0.6))  # at its measured prefill
+    # Without the asking time the poll is taken as instantaneous (as before).
+    q2 = QueueModel(["a"])
+    t = q2.sent("a", 0.0, streaming=True, expected_first_s=1.0)
+    q2.first_byte(t, 0.6)
+    q2.polled("a", EngineLoad(running=0, waiting=1, known=True), 0.7)
+    assert q2.predict("a", 0.8, prior_s=0.5).ahead == 1
