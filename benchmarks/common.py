@@ -7,6 +7,7 @@ import os
 import signal
 import statistics
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -76,6 +77,21 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     progress(f"wrote {p}")
+
+
+def stop_on_sigterm() -> None:
+    """A benchmark that starts servers in sessions of their own (engines, daemons, routers) stops
+    them on SIGTERM as on Ctrl-C: the signal raises KeyboardInterrupt in the main thread, so the
+    benchmark's clean-up runs. Killed without it, the servers outlived it (a test that stopped a
+    bench past its limit left two engines spinning on the cores the rest of the suite needed).
+    Main thread only (Python delivers signals there); elsewhere it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:

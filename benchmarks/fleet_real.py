@@ -30,6 +30,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import stop_on_sigterm
 from benchmarks.fleet_client import OUTPUT_TOKENS, replay, stream_completion
 from benchmarks.fleet_engines import BT, NODES, VLLM_PYTHON, Fleet, engine_cores, fleet_model
 from benchmarks.fleet_report import RunFigures, report, run_figures
@@ -92,6 +93,7 @@ def _references(fleet: Fleet, w: Workload) -> dict[tuple[int, ...], Generation]:
 def run(args: argparse.Namespace) -> int:
     if args.json is None:
         raise ConfigError("kvtier bench fleet: --json PATH is required")
+    stop_on_sigterm()
     routers = _routers(args)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     if rounds < 1:

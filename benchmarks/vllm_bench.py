@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, stop_group, stop_process, wait_healthy
+from benchmarks.common import progress, stop_group, stop_on_sigterm, stop_process, wait_healthy
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, combine, compare
 from benchmarks.progress import Phase, Progress
 from kvtier.engine.checkpoint import write_checkpoint
@@ -269,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
     from benchmarks.localdeploy import LocalDeployment
 
+    stop_on_sigterm()
     if not Path(args.vllm_python).exists():
         raise ConfigError(f"--vllm-python: {args.vllm_python} does not exist; `make engine-venvs` builds .venv-vllmcpu")
     rounds = args.rounds or (2 if args.quick else 3)

@@ -55,6 +55,10 @@ def venv_python(engine: str) -> Path:
     return ROOT / f".venv-{engine}" / "bin" / "python"
 
 
+_PYTEST_WITH_SIGINT = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                       "sys.exit(pytest.main())")
+
+
 def _command(engine: str) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     # The running-engine suite starts `kvtier serve` with the main environment's Python.
@@ -62,8 +66,11 @@ def _command(engine: str) -> tuple[list[str], dict[str, str]]:
                KVTIER_DAEMON_PYTHON=sys.executable)
     suite = SUITES[engine]
     # --confcutdir keeps the main suite's conftest (S3 fixtures, boto3) out of the engine venv.
-    cmd = [str(venv_python(engine)), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--confcutdir={suite}",
-           "-W", "ignore::DeprecationWarning", f"--timeout={TEST_TIMEOUT_S}", suite]
+    # pytest with SIGINT as KeyboardInterrupt whatever it inherited: a session started in the
+    # background by a non-interactive shell ignores SIGINT, and so would the suite, which then
+    # could not be interrupted (below) and run its fixtures' teardown.
+    cmd = [str(venv_python(engine)), "-c", _PYTEST_WITH_SIGINT, "-q", "-p", "no:cacheprovider",
+           f"--confcutdir={suite}", "-W", "ignore::DeprecationWarning", f"--timeout={TEST_TIMEOUT_S}", suite]
     return cmd, env
 
 
