@@ -38,7 +38,8 @@ SUITE_TIMEOUT_S = 3600
 #: limit and leaving no word of where it stood.
 TEST_TIMEOUT_S = 900
 #: A suite past its limit is first interrupted (SIGINT: pytest prints the failures so far and where
-#: it stood), then killed with its engines if it has not ended within this.
+#: it stood, and its fixtures stop the engines they started), then its process group is killed if
+#: it has not ended within this (engines started in sessions of their own are not in that group).
 INTERRUPT_GRACE_S = 60
 
 
