@@ -3,6 +3,7 @@
 Each request's token ids and salt go to every node believed up, at once, within the fleet view's
 deadline. A node that does not answer in time, or cannot be reached, is taken down: later
 requests do not ask it (so a frozen daemon costs one request the deadline, not every request),
+unless the router's own loop ran late past that deadline (kvtier/router/late_timeouts.py),
 and a probe (one token, nothing to look up) asks it again every ``probe_s`` until it answers,
 when it rejoins. A node that answers with a refusal or an error is up (it answered); that
 request is priced without its cache.
@@ -28,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvtier.errors import KvtierError
+from kvtier.router.late_timeouts import LateTimeouts
 from kvtier.router.metrics import RouterMetrics
 from kvtier.server.fleet_view import OK, SKIPPED, UNAVAILABLE, FleetAnswer, FleetView, Member
 from kvtier.server.locate import Located, LocateQuery
@@ -56,6 +58,7 @@ class CacheView:
         self.probe_s = probe_s
         self.membership = membership
         self.refresh_s = refresh_s
+        self.late = LateTimeouts(metrics.late_timeouts, "node")
         self._up = {m.name: True for m in fleet.members}
         for name in self._up:
             metrics.node_up.labels(name).set(1)
@@ -138,6 +141,12 @@ class CacheView:
             if n.status == SKIPPED or name not in self._up:  # skipped, or left the membership meanwhile
                 continue
             self.metrics.locate_answers.labels(name, n.status).inc()
+            if n.status != UNAVAILABLE:
+                self.late.answered(name)
+            elif not self.late.conclusive(name, n.elapsed_ms / 1e3, answer.deadline_ms / 1e3):
+                log.debug("node %s: no Locate answer, %.0f ms after a %.0f ms deadline, the router's own "
+                          "delay: its state is kept", name, n.elapsed_ms - answer.deadline_ms, answer.deadline_ms)
+                continue
             if n.status == UNAVAILABLE and self._up[name]:
                 log.warning("node %s is down (its daemon's Locate): %s", name, n.reason)
                 self._up[name] = False

@@ -5,7 +5,8 @@ A poll is ``GET /health`` then ``GET /metrics`` (vLLM's, parsed by ``engine_load
 stopped engine refuses the connection, a frozen one lets the deadline pass), and so does an
 attempt of a request that cannot reach it (``mark_down``); the next successful poll brings it back.
 So a dead or frozen engine drops out within ``poll_s + timeout_s`` and rejoins within ``poll_s``
-of answering again.
+of answering again. A poll that timed out while the router's own loop ran late leaves the
+engine's state as it was (kvtier/router/late_timeouts.py).
 
 Each engine has a *down signal*: an ``asyncio.Event`` set when it goes down. An attempt takes the
 current signal when it starts and gives up on the engine when it is set (kvtier/router/proxy.py);
@@ -28,6 +29,7 @@ import aiohttp
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engine_load import parse_vllm_load
 from kvtier.router.engines import EngineSpec
+from kvtier.router.late_timeouts import LateTimeouts
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.queue_model import QueueModel
 
@@ -54,6 +56,7 @@ class EngineWatch:
         self.metrics = metrics
         self.poll_s = poll_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.late = LateTimeouts(metrics.late_timeouts, "engine")
         self._state: dict[str, _State] = {}
         for e in self.engines:
             ev = asyncio.Event()
@@ -103,20 +106,27 @@ class EngineWatch:
             await self._poll(e)
 
     async def _poll(self, e: EngineSpec) -> None:
+        started = time.monotonic()  # of the request that may time out
         try:
             async with self.session.get(e.url + "/health", timeout=self.timeout) as r:
                 await r.read()
                 if r.status != 200:
                     self.mark_down(e.name, f"/health answered {r.status}")
                     return
-            asked_at = time.monotonic()  # the engine's counts are as of some moment after this
+            asked_at = started = time.monotonic()  # the engine's counts are as of some moment after this
             async with self.session.get(e.url + "/metrics", timeout=self.timeout) as r:
                 text = await r.text()
                 if r.status != 200:
                     self.mark_down(e.name, f"/metrics answered {r.status}")
                     return
         except TimeoutError:
-            self.mark_down(e.name, f"no answer to its health poll within {self.timeout.total:g} s")
+            assert self.timeout.total is not None
+            waited = time.monotonic() - started
+            if self.late.conclusive(e.name, waited, self.timeout.total):
+                self.mark_down(e.name, f"no answer to its health poll within {self.timeout.total:g} s")
+            else:
+                log.debug("engine %s: its health poll timed out %.0f ms late, the router's own delay: "
+                          "its state is kept", e.name, (waited - self.timeout.total) * 1e3)
             return
         except aiohttp.ClientError as exc:
             self.mark_down(e.name, f"health poll failed: {type(exc).__name__}: {exc}")
@@ -126,6 +136,7 @@ class EngineWatch:
         except ValueError:
             self.mark_down(e.name, "/metrics is not Prometheus text")
             return
+        self.late.answered(e.name)
         self.queue.polled(e.name, load, time.monotonic(), asked_at)
         if load.cache_blocks is not None:
             self.cached.capacity(e.name, load.cache_blocks)

@@ -38,6 +38,9 @@ class RouterMetrics:
                               ["engine"], registry=r)
         self.prefill = Gauge("kvtier_router_prefill_seconds", "Mean prefill time measured at the engine "
                              "(the queue model's per-request wait)", ["engine"], registry=r)
+        self.late_timeouts = Counter("kvtier_router_late_timeouts", "Timeouts observed after the router's own "
+                                     "event loop ran late past them, by peer kind (engine: health poll; "
+                                     "node: Locate): the peer's state was kept", ["kind"], registry=r)
         self.locate_answers = Counter("kvtier_router_locate_answers", "Locate answers by node and status "
                                       "(ok, unavailable, refused, error, skipped)", ["node", "status"], registry=r)
         self.membership_refreshes = Counter("kvtier_router_membership_refreshes", "Reads of the membership "

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Collection, Sequence
@@ -33,7 +37,9 @@ from kvtier.server.locate import Located, LocateQuery
 from kvtier.server.locate_wire import located_from_msg, query_to_msg
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.grpc_locate import GrpcLocateClient
-from tests.helpers import SECRET, SMALL, chain_blocks
+from tests.helpers import SECRET, SMALL, chain_blocks, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BT = SMALL.block_tokens
 #: SMALL's layout as a [locate] section. Prefill is priced high (5 ms a token) so that a reload,
@@ -85,6 +91,27 @@ class BlockingFleet:
     def close(self) -> None:
         self.loop.run_until_complete(self.view.close())
         self.loop.close()
+
+
+class DaemonProcess:
+    """``kvtier serve`` in a child process (so that it can be frozen with SIGSTOP)."""
+
+    def __init__(self, dep: LocalDeployment) -> None:
+        ready = dep.root / "ready.json"
+        self.log = open(dep.root / "daemon.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
+                                      "--ready-file", str(ready)], cwd=ROOT, stdout=self.log, stderr=self.log)
+        if not wait_for(lambda: ready.exists() or self.proc.poll() is not None, 60):
+            self.proc.kill()
+            raise AssertionError("daemon did not become ready")
+        assert self.proc.poll() is None, (dep.root / "daemon.log").read_text()[-2000:]
+        self.address = json.loads(ready.read_text())["address"]
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+        self.log.close()
 
 
 def locate(client: GrpcTier, tokens: list[int], salt: str = "", **query: Any) -> Located:

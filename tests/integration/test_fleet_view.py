@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,32 +26,11 @@ from kvtier.server.fleet_view import OK, REFUSED, UNAVAILABLE, Member
 from kvtier.server.locate import LocateQuery
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from tests.helpers import wait_for
-from tests.integration.locate_rig import BT, BlockingFleet, Engine, deployment, locate, router
+from tests.integration.locate_rig import BT, BlockingFleet, DaemonProcess, Engine, deployment, locate, router
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0
 PROMPT = list(range(20_000, 20_000 + 5 * BT + 1))
-
-
-class DaemonProcess:
-    """``kvtier serve`` in a child process (so that it can be frozen with SIGSTOP)."""
-
-    def __init__(self, dep: LocalDeployment) -> None:
-        ready = dep.root / "ready.json"
-        self.log = open(dep.root / "daemon.log", "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
-                                      "--ready-file", str(ready)], cwd=ROOT, stdout=self.log, stderr=self.log)
-        if not wait_for(lambda: ready.exists() or self.proc.poll() is not None, 60):
-            self.proc.kill()
-            raise AssertionError("daemon did not become ready")
-        assert self.proc.poll() is None, (dep.root / "daemon.log").read_text()[-2000:]
-        self.address = json.loads(ready.read_text())["address"]
-
-    def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(30)
-        self.log.close()
 
 
 def _free_port() -> int:
