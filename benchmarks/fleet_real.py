@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the engines' model (the real-weights recipe; default small: two engines share 2 cores)")
     g.add_argument("--rate", type=float, metavar="PER_S", help="Poisson arrival rate (default the workload's)")
     g.add_argument("--workdir", type=Path, metavar="DIR", help="keep logs and state here (default a temp dir)")
+    g.add_argument("--route-log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="kvtier route's log level (debug: a line per request, in --workdir's router-kvtier-*.log)")
     g.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, metavar="PATH",
                    help="the serving vLLM's python (default .venv-vllmcpu)")
 
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 principals = sorted({r.principal for r in w.requests})
                 salts = {p: fleet.dep.salt(p[0], f"{p[1]}-{k}") for p in principals}
                 previous = [(t, f"{u}-{k}") for t, u in principals]
-                with router(fleet, name, f"{name}-{rnd}") as url:
+                with router(fleet, name, f"{name}-{rnd}", args.route_log_level) as url:
                     for _ in range(2):
                         warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
                         if warm.error:

@@ -59,10 +59,10 @@ def vllm_router_command(fleet: Fleet, policy: str, port: int) -> list[str]:
     return cmd
 
 
-def kvtier_route_command(fleet: Fleet, token_file: Path, ready: Path) -> list[str]:
+def kvtier_route_command(fleet: Fleet, token_file: Path, ready: Path, log_level: str = "warning") -> list[str]:
     assert fleet.model is not None
     cmd = [fleet.daemon_python, "-m", "kvtier.cli", "route", "--listen", "127.0.0.1:0", "--token-file",
-           str(token_file), "--tokenizer", str(fleet.model), "--ready-file", str(ready)]
+           str(token_file), "--tokenizer", str(fleet.model), "--ready-file", str(ready), "--log-level", log_level]
     for name, n in fleet.nodes.items():
         cmd += ["--engine", f"{name}={n.url}", "--node", f"{name}={n.address}"]
     return cmd
@@ -89,8 +89,9 @@ def router_metrics(url: str) -> dict[str, float]:
 
 
 @contextmanager
-def router(fleet: Fleet, name: str, tag: str) -> Iterator[str]:
-    """Start router ``name`` (one of ``ROUTERS``) in front of the fleet; yields its URL."""
+def router(fleet: Fleet, name: str, tag: str, route_log_level: str = "warning") -> Iterator[str]:
+    """Start router ``name`` (one of ``ROUTERS``) in front of the fleet; yields its URL. ``kvtier
+    route`` logs at ``route_log_level`` into ``router-<tag>.log`` (debug: a line per request)."""
     if name not in ROUTERS:
         raise ConfigError(f"unknown router {name!r}: one of {', '.join(ROUTERS)}")
     log_path = fleet.work / f"router-{tag}.log"
@@ -103,7 +104,7 @@ def router(fleet: Fleet, name: str, tag: str) -> Iterator[str]:
                 token.chmod(0o600)
             ready = fleet.work / f"router-{tag}.json"
             ready.unlink(missing_ok=True)
-            proc = subprocess.Popen(kvtier_route_command(fleet, token, ready), cwd=ROOT,
+            proc = subprocess.Popen(kvtier_route_command(fleet, token, ready, route_log_level), cwd=ROOT,
                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + 120
