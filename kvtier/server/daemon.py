@@ -62,6 +62,10 @@ log = logging.getLogger("kvtier.server")
 #: behind cache calls.
 HEADROOM_THREADS = 8
 
+#: How often ``kvtier serve``'s main thread looks for a signal caught by another thread: the most
+#: a SIGTERM waits before the drain starts.
+SIGNAL_POLL_S = 0.25
+
 
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     """Channel arguments of the daemon (and, mirrored, of its clients): explicit size limits."""
@@ -369,7 +373,11 @@ def run(args: argparse.Namespace) -> int:
             freeze_start_up_objects()
         if args.ready_file:
             _write_ready(Path(args.ready_file), daemon)
-        stop.wait()
+        # Wait in slices: the kernel may hand SIGTERM to any thread (one that is not blocking it;
+        # seen right after a SIGCONT), and Python then runs ``on_signal`` only once the main thread
+        # runs bytecode again. An untimed wait would never return (a daemon deaf to SIGTERM).
+        while not stop.wait(SIGNAL_POLL_S):
+            pass
         daemon.stop()
         return 0
     finally:
