@@ -87,6 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it when no node can hold more of the prompt than the engines hold themselves (this "
                         "router sent the rest of its blocks nowhere); set this when requests of one "
                         "conversation also reach other routers, whose blocks this one cannot know")
+    p.add_argument("--locate-budget-min-ms", type=float, default=10.0, metavar="MS",
+                   help="a request waits for Locate no longer than its answers can save it (its blocks at the "
+                        "highest block price a node gave, at the engines' measured pace), nor less than this "
+                        "(default 10); the nodes still asked then are judged when they answer or their deadline "
+                        "passes")
+    p.add_argument("--no-locate-budget", action="store_true",
+                   help="every request waits for every node's Locate up to the deadline")
     p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB", help="largest request body (default 32)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="once listening, write {url, host, port} as JSON to PATH (for scripts and tests)")
@@ -110,6 +117,8 @@ def settings(args: argparse.Namespace) -> RouterSettings:
         raise ConfigError("--max-body-mb: must be positive")
     if args.engine_cache_blocks < 0:
         raise ConfigError("--engine-cache-blocks: must not be negative")
+    if args.locate_budget_min_ms < 0:
+        raise ConfigError("--locate-budget-min-ms: must not be negative")
     return RouterSettings(poll_s=_ms("poll-ms", args.poll_ms), health_timeout_s=_ms("health-timeout-ms",
                                                                                       args.health_timeout_ms),
                           probe_s=_ms("probe-ms", args.probe_ms),
@@ -117,7 +126,8 @@ def settings(args: argparse.Namespace) -> RouterSettings:
                           max_attempts=args.max_attempts, edge=Edge(args.edge_ms / 1e3, args.edge_rel),
                           queue_prior_s=args.queue_prior_ms / 1e3, engine_cache_blocks=args.engine_cache_blocks,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                          skip_locate=not args.locate_every_request)
+                          skip_locate=not args.locate_every_request,
+                          locate_budget_min_s=None if args.no_locate_budget else args.locate_budget_min_ms / 1e3)
 
 
 def _fleet(args: argparse.Namespace, metrics: RouterMetrics) -> CacheView | None:

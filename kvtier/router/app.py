@@ -9,7 +9,8 @@ Per request, in order:
 1. the body is read (at most ``max_body_bytes``: 413) and decoded (not a JSON object: 400);
 2. its token ids and ``cache_salt`` (kvtier/router/prompts.py), in a worker thread;
 3. unless what the router knows bounds its answer (kvtier/router/held_rule.py), ``Locate`` on
-   every node that is up (kvtier/router/cache_view.py), when there are token ids;
+   every node that is up (kvtier/router/cache_view.py), when there are token ids, waited for no
+   longer than its answers can save the request (kvtier/router/locate_budget.py);
 4. each engine that is up is priced: queue wait (kvtier/router/queue_model.py) + the cost of
    the request on its node, or of what the engine lacks where it is believed to hold the prefix
    itself (kvtier/router/engine_cache.py); the choice (kvtier/router/choice.py);
@@ -31,7 +32,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,12 +41,13 @@ from aiohttp import web
 
 from kvtier.errors import ConfigError
 from kvtier.router.cache_view import CacheView
-from kvtier.router.choice import Candidate, Choice, Chooser, Edge
+from kvtier.router.choice import HELD, Candidate, Choice, Chooser, Edge
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import error_body
 from kvtier.router.held_rule import HeldRule
+from kvtier.router.locate_budget import LocateBudget
 from kvtier.router.loop_lag import probe_loop_lag
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
@@ -75,6 +77,9 @@ class RouterSettings:
     #: Decide without Locate when its answer is already known (``Router._held``). Off: Locate on
     #: every request, for fleets where requests of one conversation also reach other routers.
     skip_locate: bool = True
+    #: The least a request waits for Locate under its budget (kvtier/router/locate_budget.py);
+    #: None: every request waits for every node up to the deadline.
+    locate_budget_min_s: float | None = 0.01
 
     def __post_init__(self) -> None:
         for name in ("poll_s", "health_timeout_s", "probe_s", "connect_timeout_s", "max_body_bytes"):
@@ -86,6 +91,8 @@ class RouterSettings:
             raise ConfigError("queue_prior_s: must not be negative")
         if self.engine_cache_blocks < 0:
             raise ConfigError("engine_cache_blocks: must not be negative")
+        if self.locate_budget_min_s is not None and self.locate_budget_min_s < 0:
+            raise ConfigError("locate_budget_min_s: must not be negative")
 
 
 class Router:
@@ -108,6 +115,8 @@ class Router:
         self.cached = EngineCacheView((e.name for e in self.engines), settings.engine_cache_blocks)
         self.chooser = Chooser(settings.edge)
         self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser)
+        m = settings.locate_budget_min_s
+        self.budget = LocateBudget(m) if m is not None else None
         #: Tokens a block, from the daemons' Locate answers (0: none yet).
         self._block_tokens = 0
         self._session: aiohttp.ClientSession | None = None
@@ -197,7 +206,7 @@ class Router:
         held = self._held(digests) if digests else None
         located = None
         if held is None:
-            located = await self._locate(prompt)
+            located = await self._locate(prompt, digests)
             if located and prompt.tokens is not None:
                 answer_bt = next(iter(located.values())).block_tokens
                 if answer_bt != bt:  # this request digested before the size was known, or with another
@@ -206,7 +215,7 @@ class Router:
                         self.held_rule.block_tokens(answer_bt)
                     digests = self.cached.digests(prompt.tokens, prompt.salt, answer_bt) if answer_bt else ()
             if located:
-                self.held_rule.located(digests, located)
+                self._learn(digests, located)
         return await self._attempts(request, endpoint, "POST", raw, prompt, located, arrival, digests, held)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
@@ -225,14 +234,26 @@ class Router:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
 
     # -- routing ------------------------------------------------------------------------------------
-    async def _locate(self, prompt: RequestPrompt) -> dict[str, Located] | None:
-        """Per node, its Locate answer; None when the request has no token ids or there is no fleet."""
+    async def _locate(self, prompt: RequestPrompt, digests: tuple[bytes, ...]) -> dict[str, Located] | None:
+        """Per node, its Locate answer within the request's budget; None when the request has no
+        token ids or there is no fleet. ``digests``: the prompt's, as far as known (for what the
+        answers after the budget teach the held rule)."""
         if prompt.tokens is None:
             self.metrics.unlocated.labels(prompt.why).inc()
             return None
         if self.cache is None:
             return None
-        return dict(await self.cache.locate(prompt.tokens, prompt.salt))
+        budget_s = None
+        if self.budget is not None and self._block_tokens:
+            budget_s = self.budget.budget_s(len(prompt.tokens) // self._block_tokens)
+        return dict(await self.cache.locate(prompt.tokens, prompt.salt, budget_s=budget_s,
+                                            on_late=lambda late: self._learn(digests, late)))
+
+    def _learn(self, digests: tuple[bytes, ...], located: Mapping[str, Located]) -> None:
+        """What Locate answers teach: the held rule where each node's blocks are, the budget their price."""
+        self.held_rule.located(digests, located)
+        if self.budget is not None:
+            self.budget.located(located.values())
 
     def _held(self, digests: tuple[bytes, ...]) -> Choice | None:
         """The choice without Locate (kvtier/router/held_rule.py), or None: ask it."""
@@ -286,9 +307,9 @@ class Router:
                 choice = held
             else:
                 if held is not None and located is None and prompt is not None:
-                    located = await self._locate(prompt)  # the held engine failed: price the rest
+                    located = await self._locate(prompt, digests)  # the held engine failed: price the rest
                     if located:
-                        self.held_rule.located(digests, located)
+                        self._learn(digests, located)
                     now = time.monotonic()
                 choice = self.chooser.choose(self._candidates(up, located, now, digests),
                                              now if attempt == 0 else None)
@@ -309,8 +330,12 @@ class Router:
                 t = time.monotonic()
                 if status == 200:  # an error answer computed no prompt
                     self.cached.computed(pending)
-                if self.queue.first_byte(ticket, t) is not None:
+                sample = self.queue.first_byte(ticket, t)
+                if sample is not None:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
+                    # Priced by the cost model (Locate's prices): how much slower than priced it ran.
+                    if self.budget is not None and choice.reason != HELD and choice.service_s > 0:
+                        self.budget.paced(sample, choice.service_s)
                 if streaming:
                     self.metrics.ttft.labels(engine.name).observe(t - arrival)
                 # Never the prompt or its salt: the engine, why, and the times an operator tunes by.

@@ -14,7 +14,13 @@ gone is no longer asked. A refresh that fails keeps the membership it has (logge
 ``kvtier_router_membership_refreshes``), and one that finds no node keeps it too: an empty
 Service is far more often a moment of a rollout than a fleet with no daemon.
 
-Protocol: ``CacheView(fleet, ...)`` -> ``await locate(tokens, salt)`` per request (the fleet
+A request may stop waiting before the deadline (its budget, kvtier/router/locate_budget.py): it
+goes on with the answers it has, and the nodes still asked are judged when their calls end, in a
+task of their own, exactly as if the request had waited. Until then they are in doubt: later
+requests do not ask them (a frozen daemon costs one request its budget, and no request the
+deadline; a slow one is left out until its answer comes).
+
+Protocol: ``CacheView(fleet, ...)`` -> ``await locate(tokens, salt[, budget_s=...])`` per request (the fleet
 view's calls run on the same event loop) -> ``run_probes()`` as a task until cancelled (the
 probes, and the membership refreshes when there is a source) -> ``await close()``. Up/down state
 and membership are changed on the event loop only.
@@ -25,18 +31,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from kvtier.errors import KvtierError
 from kvtier.router.late_timeouts import LateTimeouts
 from kvtier.router.metrics import RouterMetrics
-from kvtier.server.fleet_view import OK, SKIPPED, UNAVAILABLE, FleetAnswer, FleetView, Member
+from kvtier.server.fleet_view import OK, PENDING, SKIPPED, UNAVAILABLE, FleetAnswer, FleetQuery, FleetView, Member
 from kvtier.server.locate import Located, LocateQuery
 
 log = logging.getLogger("kvtier.router")
 #: What a probe asks: one token is no full block, so the node looks nothing up.
 PROBE = LocateQuery(tokens=(0,))
+#: Told the answers that came after a request stopped waiting, by node name.
+LateAnswers = Callable[[Mapping[str, Located]], None]
 
 
 class MembershipSource(Protocol):
@@ -59,6 +67,10 @@ class CacheView:
         self.membership = membership
         self.refresh_s = refresh_s
         self.late = LateTimeouts(metrics.late_timeouts, "node")
+        #: The tasks reading Locates whose requests stopped waiting (``_rest``).
+        self._rests: set[asyncio.Task[None]] = set()
+        #: Nodes up whose call a request stopped waiting for: not asked until that call ends.
+        self._doubt: set[str] = set()
         self._up = {m.name: True for m in fleet.members}
         for name in self._up:
             metrics.node_up.labels(name).set(1)
@@ -70,18 +82,56 @@ class CacheView:
     def up(self, node: str) -> bool:
         return self._up[node]
 
-    async def locate(self, tokens: tuple[int, ...], salt: str) -> Mapping[str, Located]:
-        """The answers of the nodes that answered, by node name (the others: none)."""
-        asked = {n for n, up in self._up.items() if up}
+    async def locate(self, tokens: tuple[int, ...], salt: str, *, budget_s: float | None = None,
+                     on_late: LateAnswers | None = None) -> Mapping[str, Located]:
+        """The answers of the nodes that answered, by node name (the others: none). With
+        ``budget_s`` shorter than the deadline, the answers that came within it: the nodes still
+        asked then are judged when their calls end (by the deadline), and ``on_late`` gets the
+        answers that came after the budget (kvtier/router/locate_budget.py)."""
+        asked = {n for n, up in self._up.items() if up and n not in self._doubt}
         if not asked:
             return {}
         t0 = time.monotonic()
         # The router compares nodes: the shared tier serves every one of them alike, so it is not
         # asked (a probe of S3 would be most of a Locate's time, on every request's path).
-        answer = await self.fleet.locate(LocateQuery(tokens=tokens, salt=salt, local_only=True), asked)
+        query = self.fleet.start(LocateQuery(tokens=tokens, salt=salt, local_only=True), asked)
+        if budget_s is None:
+            answer = await query.final()
+        else:
+            answer = await query.answer(budget_s)
         self.metrics.locate_seconds.observe(time.monotonic() - t0)
-        self._note(answer)
-        return {n.member.name: n.located for n in answer.nodes if n.located is not None}
+        got = {n.member.name: n.located for n in answer.nodes if n.located is not None}
+        waiting = {n.member.name for n in answer.nodes if n.status == PENDING}
+        if not waiting:
+            self._note(answer)
+        else:
+            self.metrics.locate_budget_ended.inc()
+            self._doubt |= waiting
+            self._rest(query, waiting, on_late)
+        return got
+
+    def _rest(self, query: FleetQuery, waiting: set[str], on_late: LateAnswers | None) -> None:
+        """Judge every node by the query's final answer, off the request's path."""
+
+        async def rest() -> None:
+            try:
+                answer = await query.final()
+            finally:
+                self._doubt -= waiting
+            self._note(answer)
+            late = {n.member.name: n.located for n in answer.nodes
+                    if n.member.name in waiting and n.located is not None}
+            if late and on_late is not None:
+                on_late(late)
+
+        task = asyncio.create_task(rest(), name="kvtier-route-locate-rest")
+        self._rests.add(task)
+        task.add_done_callback(self._rest_done)
+
+    def _rest_done(self, task: asyncio.Task[None]) -> None:
+        self._rests.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a Locate's late answers could not be read", exc_info=task.exception())
 
     async def run_probes(self) -> None:
         if self.membership is not None:
@@ -133,6 +183,9 @@ class CacheView:
                         len(self._up), added or "none", removed or "none")
 
     async def close(self) -> None:
+        for t in list(self._rests):
+            t.cancel()
+        await asyncio.gather(*self._rests, return_exceptions=True)
         await self.fleet.close()
 
     def _note(self, answer: FleetAnswer) -> None:

@@ -95,6 +95,8 @@ class Choice:
     engine: str
     reason: str
     predicted_s: float
+    #: The chosen engine's service price, without its queue wait (0 where the caller gave none).
+    service_s: float = 0.0
 
 
 class Chooser:
@@ -157,13 +159,13 @@ class Chooser:
             others = [o.service_s for o in (*candidates, *(floors or ())) if o is not c]
             won = others and c.service_s < min(others)
             reason = QUEUE if not won else CACHE if floors is None else HELD
-            choice = Choice(c.engine, reason, c.predicted_s)
+            choice = Choice(c.engine, reason, c.predicted_s, c.service_s)
         else:
             least = min(c.load for c in tied)
             pool = [c for c in tied if c.load == least]
             c = pool[self._turn % len(pool)]
             self._turn += 1
-            choice = Choice(c.engine, BALANCED, c.predicted_s)
+            choice = Choice(c.engine, BALANCED, c.predicted_s, c.service_s)
         if now is not None and choice.reason in (CACHE, HELD):
             self._count(now, choice.engine)
         return choice

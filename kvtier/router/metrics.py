@@ -49,7 +49,11 @@ class RouterMetrics:
         self.locate_skipped = Counter("kvtier_router_locate_skipped", "Requests decided without a fleet "
                                       "Locate: no node could hold more of the prompt than the engines "
                                       "themselves", registry=r)
-        self.locate_seconds = Histogram("kvtier_router_locate_seconds", "Time of one fleet Locate",
+        self.locate_budget_ended = Counter("kvtier_router_locate_budget_ended", "Requests that went on before "
+                                           "every node answered Locate: waiting longer could not save them more "
+                                           "than it cost (the rest are judged when they answer or their deadline "
+                                           "passes)", registry=r)
+        self.locate_seconds = Histogram("kvtier_router_locate_seconds", "Time a request waited for a fleet Locate",
                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.decision_seconds = Histogram("kvtier_router_decision_seconds", "Time the router adds before a "
                                           "request leaves for its engine: body, tokens, Locate, choice",

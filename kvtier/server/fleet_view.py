@@ -43,8 +43,9 @@ from kvtier.server.locate import Located, LocateQuery, SharedShare
 from kvtier.server.locate_wire import located_from_msg, located_json, query_to_msg
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-#: What a node's answer was: its Locate, or why there is none (``skipped``: the caller left it out).
-OK, UNAVAILABLE, REFUSED, ERROR, SKIPPED = "ok", "unavailable", "refused", "error", "skipped"
+#: What a node's answer was: its Locate, or why there is none (``skipped``: the caller left it out;
+#: ``pending``: still asked when the caller stopped waiting, before the deadline).
+OK, UNAVAILABLE, REFUSED, ERROR, SKIPPED, PENDING = "ok", "unavailable", "refused", "error", "skipped", "pending"
 
 
 class LocateClient(Protocol):
@@ -167,6 +168,95 @@ class FleetAnswer:
         }
 
 
+@dataclass(slots=True, frozen=True)
+class _Outcome:
+    """One member's call, as it ended: its answer or the failure it reported, and when."""
+
+    msg: pb.LocateResponse | None
+    failure: KvtierError | None
+    elapsed_ms: float
+
+
+class FleetQuery:
+    """One fleet Locate in flight (``FleetView.start``): ``answer(within_s)`` reads what has come
+    so far, as often as wanted; ``final()`` waits for the rest until the deadline. A router that
+    stops waiting early decides on the first and judges the nodes by the second.
+
+    Invariants: every call ends by the deadline (its own timeout is what is left of it) or is
+    cancelled; an answer names every member, ``pending`` only before the deadline.
+    """
+
+    def __init__(self, members: tuple[Member, ...], calls: tuple[asyncio.Task[_Outcome] | None, ...],
+                 t0: float, deadline_s: float) -> None:
+        self._members = members
+        self._calls = calls
+        self._asked = [c for c in calls if c is not None]
+        self.t0 = t0
+        self.deadline_s = deadline_s
+
+    def done(self) -> bool:
+        """Whether every asked member has answered (or failed)."""
+        return all(c.done() for c in self._asked)
+
+    async def answer(self, within_s: float) -> FleetAnswer:
+        """What came within ``within_s`` of the start; a member still asked is ``pending``
+        (``within_s`` at or past the deadline: the final answer)."""
+        if within_s >= self.deadline_s:
+            return await self.final()
+        await self._wait(within_s)
+        return self._read(final=False)
+
+    async def final(self) -> FleetAnswer:
+        """Every member's answer: a member that did not answer within the deadline is
+        ``unavailable`` (its call is cancelled)."""
+        await self._wait(self.deadline_s)
+        return self._read(final=True)
+
+    def cancel(self) -> None:
+        """Stop every call still in flight (the caller will not read this query again)."""
+        for c in self._asked:
+            if not c.cancel() and not c.cancelled():
+                c.exception()  # read: a failure nobody waits for is not an unretrieved exception
+
+    async def _wait(self, until_s: float) -> None:
+        pending = [c for c in self._asked if not c.done()]
+        left = until_s - (time.monotonic() - self.t0)
+        if not pending or left <= 0:
+            return
+        try:
+            await asyncio.wait(pending, timeout=left)
+        except BaseException:  # the caller was cancelled: so are its calls, and their outcomes are read
+            self.cancel()
+            raise
+
+    def _read(self, *, final: bool) -> FleetAnswer:
+        out = []
+        now_ms = (time.monotonic() - self.t0) * 1e3
+        for m, c in zip(self._members, self._calls, strict=True):
+            if c is None:
+                out.append(NodeAnswer(m, SKIPPED, 0.0, reason="not asked (left out by the caller)"))
+                continue
+            if not c.done():
+                if not final:
+                    out.append(NodeAnswer(m, PENDING, now_ms, reason=f"no answer yet after {now_ms:.0f} ms "
+                                          f"(deadline {self.deadline_s * 1e3:g} ms)"))
+                    continue
+                c.cancel()
+                out.append(NodeAnswer(m, UNAVAILABLE, now_ms,
+                                      reason=f"no answer within the deadline ({self.deadline_s * 1e3:g} ms)"))
+                continue
+            if c.cancelled():  # only by ``cancel``, after which nobody reads: not an answer
+                out.append(NodeAnswer(m, UNAVAILABLE, now_ms, reason="cancelled by the caller"))
+                continue
+            got = c.result()  # raises a bug's exception: not a node's answer
+            if got.failure is not None:
+                out.append(NodeAnswer(m, _status(got.failure), got.elapsed_ms, reason=str(got.failure)))
+            else:
+                assert got.msg is not None
+                out.append(NodeAnswer(m, OK, got.elapsed_ms, located=located_from_msg(got.msg)))
+        return FleetAnswer(tuple(out), self.deadline_s * 1e3)
+
+
 class FleetView:
     """Scatter-gather Locate over a membership, fixed or replaced by ``set_members`` (module docstring).
 
@@ -224,48 +314,29 @@ class FleetView:
         """Every member's answer; with ``only``, the members not named there are not asked and are
         reported ``skipped`` (a router leaves out the nodes it knows to be down, so that a frozen one
         does not cost every request the deadline)."""
+        return await self.start(query, only).final()
+
+    def start(self, query: LocateQuery, only: Collection[str] | None = None) -> FleetQuery:
+        """The query in flight to every member (or those in ``only``), from now: read it with
+        ``FleetQuery.answer`` and ``final`` (a caller that will not wait for the deadline)."""
         request = query_to_msg(query)
         t0 = time.monotonic()
         nodes = self._nodes
-        calls: list[asyncio.Task[tuple[pb.LocateResponse, float]] | None] = [
+        calls: list[asyncio.Task[_Outcome] | None] = [
             asyncio.ensure_future(self._ask(client, request, t0)) if only is None or m.name in only else None
             for m, client in nodes]
-        asked = [c for c in calls if c is not None]
-        try:
-            if asked:
-                await asyncio.wait(asked, timeout=self.deadline_s)
-        except BaseException:  # the caller was cancelled: so are its calls, and their outcomes are read
-            for c in asked:
-                if not c.cancel() and not c.cancelled():
-                    c.exception()
-            raise
-        out = []
-        for (m, _), c in zip(nodes, calls, strict=True):
-            if c is None:
-                out.append(NodeAnswer(m, SKIPPED, 0.0, reason="not asked (left out by the caller)"))
-                continue
-            if not c.done():
-                c.cancel()
-                out.append(NodeAnswer(m, UNAVAILABLE, (time.monotonic() - t0) * 1e3,
-                                      reason=f"no answer within the deadline ({self.deadline_s * 1e3:g} ms)"))
-                continue
-            exc = c.exception()
-            if isinstance(exc, KvtierError):
-                out.append(NodeAnswer(m, _status(exc), (time.monotonic() - t0) * 1e3, reason=str(exc)))
-                continue
-            if exc is not None:
-                raise exc  # a bug, not a node's answer
-            msg, elapsed = c.result()
-            out.append(NodeAnswer(m, OK, elapsed, located=located_from_msg(msg)))
-        return FleetAnswer(tuple(out), self.deadline_s * 1e3)
+        return FleetQuery(tuple(m for m, _ in nodes), tuple(calls), t0, self.deadline_s)
 
-    async def _ask(self, client: LocateClient, request: pb.LocateRequest, t0: float) -> tuple[pb.LocateResponse, float]:
+    async def _ask(self, client: LocateClient, request: pb.LocateRequest, t0: float) -> _Outcome:
         # The call's own deadline is what is left of the fleet's: a late answer is not waited for.
         left = self.deadline_s - (time.monotonic() - t0)
-        if left <= 0:
-            raise TierUnavailable("no time left before the deadline")
-        msg = await client.locate(request, timeout_s=left)
-        return msg, (time.monotonic() - t0) * 1e3
+        try:
+            if left <= 0:
+                raise TierUnavailable("no time left before the deadline")
+            msg = await client.locate(request, timeout_s=left)
+        except KvtierError as exc:  # the node's answer (or its absence); anything else is a bug
+            return _Outcome(None, exc, (time.monotonic() - t0) * 1e3)
+        return _Outcome(msg, None, (time.monotonic() - t0) * 1e3)
 
     async def close(self) -> None:
         retired, self._retired = self._retired, []

@@ -421,6 +421,7 @@ def test_a_daemon_frozen_or_killed_mid_run_the_router_routes_around_it(fleet: Fl
     assert complete(f.url, D, alice).engine == "a"  # control: the cache decides
     unavailable_before = metric(f.url, "kvtier_router_locate_answers_total", node="a", status="unavailable")
     ok_before = metric(f.url, "kvtier_router_locate_answers_total", node="b", status="ok")
+    ended_before = metric(f.url, "kvtier_router_locate_budget_ended_total")
 
     f.nodes["a"].freeze()
     answers = [complete(f.url, D, alice) for _ in range(6)]
@@ -428,8 +429,10 @@ def test_a_daemon_frozen_or_killed_mid_run_the_router_routes_around_it(fleet: Fl
     assert {a.status for a in answers} == {200}
     assert {a.route for a in answers} == {"balanced"} and {a.engine for a in answers} == {"a", "b"}
     assert all(a.body == want[a.engine] for a in answers)
-    assert health(f.url)["nodes"]["a"] == {"up": False}
-    # The frozen daemon cost one request the deadline; the others did not ask it.
+    # The frozen daemon cost one request its Locate budget (kvtier/router/locate_budget.py), not
+    # the deadline; the others did not ask it. Its call, judged at the deadline, takes it down.
+    assert metric(f.url, "kvtier_router_locate_budget_ended_total") == ended_before + 1
+    until(lambda: health(f.url)["nodes"]["a"] == {"up": False}, what="a's daemon taken down at its deadline")
     assert metric(f.url, "kvtier_router_locate_answers_total", node="a", status="unavailable") == \
         unavailable_before + 1
     assert metric(f.url, "kvtier_router_locate_answers_total", node="b", status="ok") >= ok_before + 6
