@@ -106,6 +106,8 @@ class CacheView:
             self._note(answer)
         else:
             self.metrics.locate_budget_ended.inc()
+            log.debug("Locate: went on after %.1f ms (the request's budget) without node(s) %s",
+                      (time.monotonic() - t0) * 1e3, sorted(waiting))
             self._doubt |= waiting
             self._rest(query, waiting, on_late)
         return got
