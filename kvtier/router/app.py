@@ -50,6 +50,7 @@ from kvtier.router.held_rule import HeldRule
 from kvtier.router.locate_budget import LocateBudget
 from kvtier.router.loop_lag import probe_loop_lag
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.pace import Pace
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
 from kvtier.router.queue_model import QueueModel
@@ -114,9 +115,11 @@ class Router:
         self.queue = QueueModel(e.name for e in self.engines)
         self.cached = EngineCacheView((e.name for e in self.engines), settings.engine_cache_blocks)
         self.chooser = Chooser(settings.edge)
-        self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser)
+        #: The engines' pace against the cost model's prices (kvtier/router/pace.py).
+        self.pace = Pace(e.name for e in self.engines)
+        self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser, self.pace)
         m = settings.locate_budget_min_s
-        self.budget = LocateBudget(m) if m is not None else None
+        self.budget = LocateBudget(m, self.pace) if m is not None else None
         #: Tokens a block, from the daemons' Locate answers (0: none yet).
         self._block_tokens = 0
         self._session: aiohttp.ClientSession | None = None
@@ -245,7 +248,9 @@ class Router:
             return None
         budget_s = None
         if self.budget is not None and self._block_tokens:
-            budget_s = self.budget.budget_s(len(prompt.tokens) // self._block_tokens)
+            assert self._watch is not None
+            budget_s = self.budget.budget_s(len(prompt.tokens) // self._block_tokens,
+                                            (e.name for e in self._watch.up_engines()), time.monotonic())
         return dict(await self.cache.locate(prompt.tokens, prompt.salt, budget_s=budget_s,
                                             on_late=lambda late: self._learn(digests, late)))
 
@@ -269,7 +274,8 @@ class Router:
                     now: float, digests: tuple[bytes, ...]) -> list[Candidate]:
         """Each engine's predicted queue wait and service time (kvtier/router/choice.py): its node's
         ``Locate`` price, or, where the engine itself is believed to hold at least what its node
-        holds (kvtier/router/engine_cache.py), the price of computing what it lacks."""
+        holds (kvtier/router/engine_cache.py), the price of computing what it lacks; at the
+        engines' pace, as the waits are measured (kvtier/router/pace.py)."""
         if located:
             # A node that did not answer serves the request by computing it all.
             fallback = max(a.recompute_ms for a in located.values()) / 1e3
@@ -278,13 +284,14 @@ class Router:
             fallback, prior = 0.0, self.settings.queue_prior_s
         out = []
         for e in engines:
-            q = self.queue.predict(e.name, now, prior)
+            k = self.pace.value(e.name, now)
+            q = self.queue.predict(e.name, now, prior * k if located else prior)
             answer = located.get(e.node) if located else None
-            service = answer.ttft_ms / 1e3 if answer is not None else fallback
+            service = (answer.ttft_ms / 1e3 if answer is not None else fallback) * k
             if answer is not None and digests:
                 own = engine_price_ms(answer, self.cached.resident(e.name, digests))
                 if own is not None:
-                    service = min(service, own / 1e3)
+                    service = min(service, own / 1e3 * k)
             out.append(Candidate(e.name, q.wait_s, service, q.load))
         return out
 
@@ -313,6 +320,7 @@ class Router:
                     now = time.monotonic()
                 choice = self.chooser.choose(self._candidates(up, located, now, digests),
                                              now if attempt == 0 else None)
+            pace = self.pace.value(choice.engine, now)  # what the choice's price was multiplied by
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
             self.metrics.routed.labels(engine.name, choice.reason).inc()
@@ -326,7 +334,7 @@ class Router:
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
 
             def first_byte(status: int, ticket=ticket, engine=engine, pending=pending, choice=choice,
-                           attempt=attempt, decided=now) -> None:
+                           attempt=attempt, decided=now, pace=pace) -> None:
                 t = time.monotonic()
                 if status == 200:  # an error answer computed no prompt
                     self.cached.computed(pending)
@@ -334,8 +342,9 @@ class Router:
                 if sample is not None:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
                     # Priced by the cost model (Locate's prices): how much slower than priced it ran.
-                    if self.budget is not None and choice.reason != HELD and choice.service_s > 0:
-                        self.budget.paced(sample, choice.service_s)
+                    if choice.reason != HELD and choice.service_s > 0:
+                        self.pace.paced(engine.name, sample, choice.service_s / pace, t)
+                        self.metrics.pace.labels(engine.name).set(self.pace.value(engine.name, t))
                 if streaming:
                     self.metrics.ttft.labels(engine.name).observe(t - arrival)
                 # Never the prompt or its salt: the engine, why, and the times an operator tunes by.

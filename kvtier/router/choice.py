@@ -3,7 +3,8 @@
 Per engine that is up, ``predicted = wait + service``: ``wait`` from the queue model
 (kvtier/router/queue_model.py), ``service`` the cost model's TTFT of the request on that engine's
 node, as the node's daemon answered ``Locate`` (reload what its tiers hold, recompute the rest), or
-less where the engine is believed to hold the prefix in its own cache (kvtier/router/app.py).
+less where the engine is believed to hold the prefix in its own cache (kvtier/router/app.py), at
+the engine's pace (kvtier/router/pace.py): the waits are measured, the prices an idle engine's.
 An engine whose daemon did not answer is priced at a full recompute (its connector cannot load
 anything there); with no answer from any daemon, every engine is priced alike and the queue and
 the load decide.

@@ -25,7 +25,8 @@ Prices are estimates where ``Locate`` uses the cost model: the new blocks at the
 measured mean prefill (the highest, one price for all holders; before any is measured, None); a
 block at the lowest ``(recompute_ms - tail_ms) / requested_blocks`` any ``Locate`` answer from
 that node gave (a prompt's early blocks cost least; 0 before an answer: the floor is then the
-queue and the new blocks alone).
+queue and the new blocks alone), at the engines' pace (kvtier/router/pace.py), as the rest is
+measured.
 
 What it cannot know: blocks put on a node after the last ``Locate`` of their prefix by anything
 but this router (another router's requests for the same conversation, a document published
@@ -46,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from kvtier.router.choice import Candidate, Choice, Chooser
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engines import EngineSpec
+from kvtier.router.pace import Pace
 from kvtier.router.queue_model import QueueModel
 from kvtier.router.seen_blocks import SeenBlocks
 from kvtier.server.locate import Located
@@ -66,10 +68,11 @@ class HeldRule:
     """
 
     def __init__(self, engines: Sequence[EngineSpec], cached: EngineCacheView, queue: QueueModel,
-                 chooser: Chooser, *, node_bits: int = NODE_BITS, fleet_bits: int = FLEET_BITS) -> None:
+                 chooser: Chooser, pace: Pace, *, node_bits: int = NODE_BITS, fleet_bits: int = FLEET_BITS) -> None:
         self.cached = cached
         self.queue = queue
         self.chooser = chooser
+        self.pace = pace
         self._node_bits = node_bits
         self._maybe: dict[str, SeenBlocks] = {}
         self._anywhere = SeenBlocks(fleet_bits)
@@ -107,7 +110,7 @@ class HeldRule:
                 floors.append(Candidate(e.name, q.wait_s, 0.0, q.load))
                 continue
             k = max(resident[e.name], self._maybe[e.node].leading(digests[:r]))
-            extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3
+            extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3 * self.pace.value(e.name, now)
             floors.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
         return self.chooser.held(holders, floors, now)
 

@@ -38,6 +38,9 @@ class RouterMetrics:
                               ["engine"], registry=r)
         self.prefill = Gauge("kvtier_router_prefill_seconds", "Mean prefill time measured at the engine "
                              "(the queue model's per-request wait)", ["engine"], registry=r)
+        self.pace = Gauge("kvtier_router_pace", "How much slower than the cost model's price the engine "
+                          "computed at its last sample (>= 1; it prices Locate's answers at this pace)",
+                          ["engine"], registry=r)
         self.late_timeouts = Counter("kvtier_router_late_timeouts", "Timeouts observed after the router's own "
                                      "event loop ran late past them, by peer kind (engine: health poll; "
                                      "node: Locate): the peer's state was kept", ["kind"], registry=r)

@@ -23,7 +23,10 @@ to the node that have not had their first token yet, less the time the oldest of
 the head of the queue. This is where the model and ``kvtier route`` differ: its queue model
 (kvtier/router/queue_model.py) prices each request ahead at the engine's measured mean prefill
 and adds the engine's own waiting count; here one router is the only source of requests and
-every prefill's price is known, so the wait is the sum of those prices.
+every prefill's price is known, so the wait is the sum of those prices. For the same reason the
+prices need no pace (kvtier/router/pace.py: ``kvtier route`` multiplies the cost model's prices by
+how much slower each engine measured, to compare them with measured waits): here the prices are
+what the nodes take, and the pace would be 1.
 
 What the router itself sent to each node prices the node's GPU prefix cache, with ``kvtier
 route``'s own ``EngineCacheView`` (kvtier/router/engine_cache.py; the simulator's block ids as its

@@ -9,6 +9,7 @@ from kvtier.router.choice import BALANCED, HELD, Chooser, Edge
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engines import EngineSpec
 from kvtier.router.held_rule import HeldRule
+from kvtier.router.pace import Pace
 from kvtier.router.queue_model import QueueModel
 from kvtier.server.locate import Located
 
@@ -23,7 +24,8 @@ class World:
         self.engines = engines
         self.cached = EngineCacheView([e.name for e in engines], default_blocks=1000)
         self.queue = QueueModel(e.name for e in engines)
-        self.rule = HeldRule(engines, self.cached, self.queue, Chooser(Edge()), node_bits=1 << 16,
+        self.pace = Pace(e.name for e in engines)
+        self.rule = HeldRule(engines, self.cached, self.queue, Chooser(Edge()), self.pace, node_bits=1 << 16,
                              fleet_bits=1 << 18)
         self.now = 100.0
 
@@ -124,3 +126,18 @@ def test_holders_tied_are_balanced_without_locate(world: World) -> None:
     world.served(B, HISTORY)  # both engines computed the history (and their nodes hold it)
     got = world.decide(TURN)
     assert got is not None and got.reason == BALANCED
+
+
+def test_a_floor_is_priced_at_the_engines_pace() -> None:
+    """b may compute the history at 0.3 ms a block (its Locate price): 1.8 ms more than the holder,
+    inside the edge (2.5 ms: 5 % of a's measured 50 ms). At a pace of 3 (b computing three times
+    slower than priced, kvtier/router/pace.py) it is 5.4 ms more: beyond it."""
+    w = World([A, B])
+    w.located(HISTORY, {"a": 0, "b": 0}, block_ms=0.3)
+    w.served(A, HISTORY)
+    assert w.decide(TURN) is None  # control: at the price, Locate could find b tied
+    for _ in range(60):
+        w.pace.paced("b", 0.3, 0.1, w.now)
+    assert w.pace.value("b", w.now) > 2.99
+    got = w.decide(TURN)
+    assert got is not None and (got.engine, got.reason) == ("a", HELD)
