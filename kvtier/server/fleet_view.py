@@ -194,10 +194,6 @@ class FleetQuery:
         self.t0 = t0
         self.deadline_s = deadline_s
 
-    def done(self) -> bool:
-        """Whether every asked member has answered (or failed)."""
-        return all(c.done() for c in self._asked)
-
     async def answer(self, within_s: float) -> FleetAnswer:
         """What came within ``within_s`` of the start; a member still asked is ``pending``
         (``within_s`` at or past the deadline: the final answer)."""
