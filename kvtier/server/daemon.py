@@ -361,11 +361,12 @@ def run(args: argparse.Namespace) -> int:
                     extra={"event": "prefault_skipped", "bytes": memory.capacity_bytes})
     try:
         daemon = Daemon(config).start()
-        stop = threading.Event()
+        caught: list[str] = []
 
         def on_signal(signum: int, _frame: object) -> None:
-            log.info("signal", extra={"event": "signal", "signal": signal.Signals(signum).name})
-            stop.set()
+            # Python runs this on the main thread between any two of its bytecodes, perhaps while
+            # that thread holds a lock (logging's, an Event's): it only records the signal.
+            caught.append(signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -373,11 +374,14 @@ def run(args: argparse.Namespace) -> int:
             freeze_start_up_objects()
         if args.ready_file:
             _write_ready(Path(args.ready_file), daemon)
-        # Wait in slices: the kernel may hand SIGTERM to any thread (one that is not blocking it;
+        # Sleep in slices: the kernel may hand SIGTERM to any thread (one that is not blocking it;
         # seen right after a SIGCONT), and Python then runs ``on_signal`` only once the main thread
-        # runs bytecode again. An untimed wait would never return (a daemon deaf to SIGTERM).
-        while not stop.wait(SIGNAL_POLL_S):
-            pass
+        # runs bytecode again. An untimed wait never returned (a daemon deaf to SIGTERM); an
+        # Event set by the handler deadlocked when the signal came while the main thread held
+        # the Event's own lock in its timed wait.
+        while not caught:
+            time.sleep(SIGNAL_POLL_S)
+        log.info("signal", extra={"event": "signal", "signal": caught[0]})
         daemon.stop()
         return 0
     finally:
