@@ -119,8 +119,8 @@ class HeldRule:
         for node, a in answers.items():
             if a.matched_blocks and digests:
                 self._add(node, digests[: a.matched_blocks])
-            if a.requested_blocks and a.recompute_ms > a.tail_ms > 0:
-                per = (a.recompute_ms - a.tail_ms) / a.requested_blocks
+            per = a.block_ms()
+            if per is not None:
                 self._block_ms[node] = min(per, self._block_ms.get(node, per))
 
     def sent(self, engine: EngineSpec, digests: Sequence[bytes]) -> None:

@@ -9,7 +9,7 @@ longer than that for them is a loss whatever they say. Per request::
 
     blocks    the prompt's full blocks
     block_s   the highest price of computing one block any ``Locate`` answer gave
-              (``(recompute_ms - tail_ms) / requested_blocks``: the cost model's, for an idle engine)
+              (``Located.block_ms``: the cost model's, for an idle engine)
     pace      how much slower than priced the fastest engine up computes now (kvtier/router/pace.py):
               the cost model prices an idle engine; under load the same prompt takes several times
               as long, and so does the computation an answer would save. The fastest: a request
@@ -44,8 +44,9 @@ class LocateBudget:
 
     def located(self, answers: Iterable[Located]) -> None:
         for a in answers:
-            if a.requested_blocks and a.recompute_ms > a.tail_ms >= 0:
-                per = (a.recompute_ms - a.tail_ms) / a.requested_blocks / 1e3
+            per_ms = a.block_ms()
+            if per_ms is not None:
+                per = per_ms / 1e3
                 self.block_s = per if self.block_s is None else max(self.block_s, per)
 
     def budget_s(self, blocks: int, engines: Iterable[str], now: float) -> float | None:

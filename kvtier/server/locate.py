@@ -137,6 +137,14 @@ class Located:
     #: router that knows what it sent there prices such an engine at (kvtier/router/engine_cache.py).
     tail_ms: float = 0.0
 
+    def block_ms(self) -> float | None:
+        """The cost model's price of computing one requested block here: ``(recompute_ms -
+        tail_ms) / requested_blocks`` (None: nothing requested, or a daemon from before
+        ``tail_ms``)."""
+        if not self.requested_blocks or not self.recompute_ms > self.tail_ms > 0:
+            return None
+        return (self.recompute_ms - self.tail_ms) / self.requested_blocks
+
 
 @dataclass(slots=True, frozen=True)
 class LocateSettings:
