@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -47,3 +49,46 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, every_s: float = 0
             return True
         time.sleep(every_s)
     return cond()
+
+
+def _threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T), or the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.getpgid(int(name)) == pgid:
+                    out.append(int(name))
+            except ProcessLookupError:
+                pass
+    return out
+
+
+def freeze(pid: int, *, group: bool = False, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` (with ``group``, its process group) and return once every thread has
+    stopped. The kernel stops a process when the thread that takes the signal next runs; one in
+    an uninterruptible wait (disk I/O on a loaded host) holds the stop off while the other threads
+    go on serving: in CI a daemon frozen this way answered ``Locate`` 7 ms after the signal."""
+    if group:
+        os.killpg(pid, signal.SIGSTOP)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    pids = _group(pid) if group else [pid]
+    assert wait_for(lambda: all(_threads_stopped(p) for p in pids), timeout_s, every_s=0.005), \
+        f"process {pid} not stopped {timeout_s} s after SIGSTOP"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.checkpoint import write_tokenizer
-from tests.helpers import wait_for
+from tests.helpers import freeze, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 4096
@@ -73,7 +73,7 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def freeze(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        freeze(self.proc.pid)
 
     def thaw(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -25,7 +25,7 @@ from kvtier.server.embedded_s3 import EmbeddedS3
 from kvtier.server.fleet_view import OK, REFUSED, UNAVAILABLE, Member
 from kvtier.server.locate import LocateQuery
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from tests.helpers import wait_for
+from tests.helpers import freeze, wait_for
 from tests.integration.locate_rig import BT, BlockingFleet, DaemonProcess, Engine, deployment, locate, router
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_a_stopped_and_a_frozen_node_are_reported_unavailable_within_the_deadlin
         # b stopped, c frozen (SIGSTOP: its port accepts, nothing answers).
         b.stop(grace_s=0)
         b_stopped = True
-        os.kill(c.proc.pid, signal.SIGSTOP)
+        freeze(c.proc.pid)
         t0 = time.monotonic()
         got = fleet.locate(query)
         took = time.monotonic() - t0

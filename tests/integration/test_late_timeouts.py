@@ -29,6 +29,7 @@ from kvtier.security.policy import ROLE_ROUTER
 from kvtier.server.fleet_view import FleetView, Member
 from storage_backends.grpc import GrpcTierConfig
 from storage_backends.grpc_locate import GrpcLocateClient
+from tests.helpers import freeze
 from tests.integration.locate_rig import BT, DaemonProcess, deployment
 
 DEADLINE_S = 0.3
@@ -62,7 +63,7 @@ def test_a_node_keeps_its_state_when_the_router_stalled_past_its_locate_deadline
         probes = asyncio.create_task(view.run_probes())
         try:
             assert "c" in await view.locate(TOKENS, "")  # answers: up
-            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            freeze(daemon.proc.pid)
             # Control: a frozen daemon whose deadline passes on time is taken down at once.
             assert await view.locate(TOKENS, "") == {}
             assert not view.up("c") and _late(metrics, "node") == 0
@@ -72,7 +73,7 @@ def test_a_node_keeps_its_state_when_the_router_stalled_past_its_locate_deadline
                     break
                 await asyncio.sleep(0.1)
             assert view.up("c")
-            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            freeze(daemon.proc.pid)
             # The router stalls past the deadline: inconclusive, the node stays up ...
             for k in range(1, MAX_INCONCLUSIVE):
                 assert await _stalled(view.locate(TOKENS, "")) == {}

@@ -24,6 +24,7 @@ from kvtier.server.fleet_view import OK, PENDING, UNAVAILABLE, FleetView, Member
 from kvtier.server.locate import Located, LocateQuery
 from storage_backends.grpc import GrpcTierConfig
 from storage_backends.grpc_locate import GrpcLocateClient
+from tests.helpers import freeze
 from tests.integration.locate_rig import BT, DaemonProcess, deployment
 
 DEADLINE_S = 1.0
@@ -64,7 +65,7 @@ def test_a_request_goes_on_after_its_budget_and_the_frozen_node_is_judged_at_the
         try:
             assert set(await view.locate(TOKENS, "")) == {"a", "b"}  # both answer: connected, up
             # The fleet view's own reading: the frozen node is pending within the budget ...
-            os.kill(b.proc.pid, signal.SIGSTOP)
+            freeze(b.proc.pid)
             query = view.fleet.start(LocateQuery(tokens=TOKENS, local_only=True))
             early = await query.answer(BUDGET_S)
             assert [n.status for n in early.nodes] == [OK, PENDING]
@@ -95,7 +96,7 @@ def test_a_request_goes_on_after_its_budget_and_the_frozen_node_is_judged_at_the
                     break
                 await asyncio.sleep(0.1)
             assert view.up("b")
-            os.kill(b.proc.pid, signal.SIGSTOP)
+            freeze(b.proc.pid)
             t0 = time.monotonic()
             got = await view.locate(TOKENS, "")
             assert set(got) == {"a"} and time.monotonic() - t0 >= DEADLINE_S
@@ -118,7 +119,7 @@ def test_an_answer_after_the_budget_reaches_the_router_and_its_node_stays_up(dae
         view = CacheView(_fleet(a, b, token), metrics, probe_s=60)
         try:
             assert set(await view.locate(TOKENS, "")) == {"a", "b"}
-            os.kill(b.proc.pid, signal.SIGSTOP)
+            freeze(b.proc.pid)
             loop = asyncio.get_running_loop()
             loop.call_later(3 * BUDGET_S, os.kill, b.proc.pid, signal.SIGCONT)  # b answers, late
             got = await view.locate(TOKENS, "", budget_s=BUDGET_S, on_late=late.append)

@@ -39,6 +39,7 @@ from benchmarks.common import stop_group, wait_healthy
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, compare
 from benchmarks.vllm_bench import write_model
 from kvtier.engine.models import model_spec
+from tests.helpers import freeze
 
 ROOT = Path(__file__).resolve().parents[3]
 DAEMON_PYTHON = os.environ.get("KVTIER_DAEMON_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
@@ -342,7 +343,7 @@ def test_a_daemon_frozen_mid_run_the_router_answers_by_load_and_returns(world: W
     refs = [first.output, *(complete(world.nodes[other].url, None, prompt=p).output for p in (f1, f2))]
 
     daemon = world.nodes[holder].daemon
-    os.killpg(daemon.pid, signal.SIGSTOP)
+    freeze(daemon.pid, group=True)
     try:
         during = [complete(world.url, alice, prompt=p) for p in (s, f1, f2)]
         down = _health(world.url)["nodes"][holder]["up"] is False
