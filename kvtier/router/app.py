@@ -47,6 +47,7 @@ from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import error_body
 from kvtier.router.held_rule import HeldRule
+from kvtier.router.late_timeouts import LateTimeouts
 from kvtier.router.locate_budget import LocateBudget
 from kvtier.router.loop_lag import probe_loop_lag
 from kvtier.router.metrics import RouterMetrics
@@ -131,11 +132,13 @@ class Router:
     async def start(self) -> None:
         s = self.settings
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        # One late-timeout count per engine for its health polls and its attempts' timers.
+        late = LateTimeouts(self.metrics.late_timeouts, "engine")
         self._watch = EngineWatch(self.engines, self._session, self.queue, self.cached, self.metrics, poll_s=s.poll_s,
-                                  timeout_s=s.health_timeout_s)
+                                  timeout_s=s.health_timeout_s, late=late)
         # A stream whose engine was taken down ends when no chunk came for as long as the health
         # watch gives an engine to answer a poll, plus one poll interval.
-        self._proxy = Proxy(self._session, s.connect_timeout_s, stall_s=s.poll_s + s.health_timeout_s)
+        self._proxy = Proxy(self._session, s.connect_timeout_s, stall_s=s.poll_s + s.health_timeout_s, late=late)
         await self._watch.poll_all()
         self._tasks.append(asyncio.create_task(self._watch.run(), name="kvtier-route-engine-watch"))
         self._tasks.append(asyncio.create_task(probe_loop_lag(self.metrics.loop_lag), name="kvtier-route-loop-lag"))

@@ -47,7 +47,8 @@ class EngineWatch:
     """Health and load of every engine (see the module docstring)."""
 
     def __init__(self, engines: Sequence[EngineSpec], session: aiohttp.ClientSession, queue: QueueModel,
-                 cached: EngineCacheView, metrics: RouterMetrics, *, poll_s: float, timeout_s: float) -> None:
+                 cached: EngineCacheView, metrics: RouterMetrics, *, poll_s: float, timeout_s: float,
+                 late: LateTimeouts | None = None) -> None:
         self.engines = list(engines)
         self.session = session
         self.queue = queue
@@ -56,7 +57,8 @@ class EngineWatch:
         self.metrics = metrics
         self.poll_s = poll_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.late = LateTimeouts(metrics.late_timeouts, "engine")
+        # Shared with the proxy's timers where given (kvtier/router/app.py): one streak per engine.
+        self.late = late if late is not None else LateTimeouts(metrics.late_timeouts, "engine")
         self._state: dict[str, _State] = {}
         for e in self.engines:
             ev = asyncio.Event()

@@ -1,7 +1,7 @@
 """A timeout the router saw late says more about the router than about the engine or daemon.
 
-Every deadline of the router (an engine's health poll, a node's ``Locate``) is a timer on its
-one event loop. When the loop itself runs late (its process got no core for a while), every timer
+Every deadline of the router (an engine's health poll, an attempt's connect and a stream's stall
+limit in kvtier/router/proxy.py, a node's ``Locate``) is a timer on its one event loop. When the loop itself runs late (its process got no core for a while), every timer
 that fell due meanwhile fires as soon as it runs again, before the answers that reached its
 sockets in that time are read: every peer then looks dead at once. Seen in ``kvtier bench fleet
 --rate 4`` on 2 cores: the router's loop ran up to a second late, an engine's health poll and both

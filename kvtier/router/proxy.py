@@ -12,16 +12,23 @@ a stream only once the stream has also stalled (no chunk for ``stall_s``): a pol
 slow on an engine that is merely busy, and a stream still delivering chunks proves its engine is
 alive (a frozen engine sends none, so it still ends within ``stall_s``).
 
+Both of the proxy's timers, the connect timeout and the stall limit, are judged by the
+late-timeout rule (kvtier/router/late_timeouts.py), with the health watch's count for the engine:
+one that fired late past its deadline is the router's own delay. A late connect timeout still
+tries another engine (nothing was sent), but leaves the engine up; a late stall reads the stream
+again.
+
 The engine's own answers (200, and 4xx/500 about the request) pass through with their status
 and body. Only the headers that describe the content pass, plus ``X-Kvtier-Engine`` (who
 answered) and ``X-Kvtier-Route`` (why it was chosen).
 
-Protocol: ``Proxy(session, connect_timeout_s, stall_s)`` -> ``forward(...)`` per attempt -> an ``Outcome``.
+Protocol: ``Proxy(session, connect_timeout_s, stall_s, late)`` -> ``forward(...)`` per attempt -> an ``Outcome``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -31,6 +38,7 @@ from aiohttp import web
 
 from kvtier.router.engines import EngineSpec
 from kvtier.router.errors import sse_error
+from kvtier.router.late_timeouts import LateTimeouts
 
 #: Request headers passed to the engine (the rest, hop-by-hop ones included, are the router's).
 FORWARDED_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id", "traceparent")
@@ -90,10 +98,13 @@ async def _race(aw: Awaitable[T], down: asyncio.Event) -> T:
 class Proxy:
     """Sends attempts to engines over one shared client session (see the module docstring)."""
 
-    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, stall_s: float = 2.0) -> None:
-        assert stall_s > 0
+    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, stall_s: float,
+                 late: LateTimeouts) -> None:
+        assert stall_s > 0 and connect_timeout_s > 0
         self.session = session
         self.stall_s = stall_s
+        self.connect_timeout_s = connect_timeout_s
+        self.late = late
         # No overall deadline: a long generation is no fault. A frozen engine is caught by the
         # health watch (its down signal ends the attempt), a dead one by its connection.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
@@ -104,10 +115,12 @@ class Proxy:
         headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
         resp: aiohttp.ClientResponse | None = None
         done = False  # the engine's answer read to its end: its connection may serve the next
+        started = time.monotonic()  # of the connect that may time out
         try:
             try:
                 resp = await _race(self.session.request(method, engine.url + path, data=body or None,
                                                         headers=headers, timeout=self.timeout), down)
+                self.late.answered(engine.name)
                 if resp.status in RETRY_STATUSES:
                     return Outcome(RETRY, status=resp.status, reason=f"answered {resp.status}")
                 event_stream = resp.content_type == "text/event-stream"
@@ -124,7 +137,12 @@ class Proxy:
             except _EngineDown:
                 return Outcome(RETRY, reason="taken down by the health watch", engine_down=True)
             except TimeoutError:
-                return Outcome(RETRY, reason="could not connect in time", engine_down=True)
+                waited = time.monotonic() - started
+                if self.late.conclusive(engine.name, waited, self.connect_timeout_s):
+                    return Outcome(RETRY, reason="could not connect in time", engine_down=True)
+                late_ms = (waited - self.connect_timeout_s) * 1e3
+                return Outcome(RETRY, reason=f"could not connect in time, {late_ms:.0f} ms late: the router's own "
+                                             "delay, the engine is kept up")
             except aiohttp.ClientError as exc:
                 return Outcome(RETRY, reason=f"{type(exc).__name__}: {exc}", engine_down=True)
             if not first:
@@ -150,7 +168,13 @@ class Proxy:
             while True:
                 try:
                     if down.is_set():  # taken down, but still streaming: ended only if it stalls too
-                        chunk = await asyncio.wait_for(resp.content.readany(), self.stall_s)
+                        waiting = time.monotonic()
+                        try:
+                            chunk = await asyncio.wait_for(resp.content.readany(), self.stall_s)
+                        except TimeoutError:
+                            if not self.late.conclusive(engine.name, time.monotonic() - waiting, self.stall_s):
+                                continue  # the router's own delay: read again
+                            raise
                     else:
                         try:
                             chunk = await _race(resp.content.readany(), down)

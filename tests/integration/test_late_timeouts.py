@@ -2,16 +2,20 @@
 stalls past a deadline, the engine or node that timed out keeps its state; on time, a timeout
 takes it down; late ``MAX_INCONCLUSIVE`` times in a row, it is taken down all the same.
 
-The stall is the router's loop blocked (``time.sleep`` on it) while a poll or a Locate waits,
-as a host whose cores are taken elsewhere stalls it. The peers are real: a frozen daemon
-(SIGSTOP) and an HTTP server that answers its health poll late.
+The stall is the router's loop blocked (``time.sleep`` on it) while a poll, a Locate, a connect or a
+stream's stall limit waits, as a host whose cores are taken elsewhere stalls it. The peers are
+real: a frozen daemon (SIGSTOP), an HTTP server that answers its health poll late, a listener
+whose accept queue is full, and an engine in a thread of its own that pauses mid-stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -22,8 +26,9 @@ from kvtier.router.cache_view import CacheView
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engine_watch import EngineWatch
 from kvtier.router.engines import EngineSpec
-from kvtier.router.late_timeouts import MAX_INCONCLUSIVE
+from kvtier.router.late_timeouts import MAX_INCONCLUSIVE, LateTimeouts
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.proxy import Proxy
 from kvtier.router.queue_model import QueueModel
 from kvtier.security.policy import ROLE_ROUTER
 from kvtier.server.fleet_view import FleetView, Member
@@ -137,3 +142,178 @@ def test_an_engine_keeps_its_state_when_the_router_stalled_past_its_health_poll(
                 await runner.cleanup()
 
     asyncio.run(run())
+
+
+def _blackhole() -> tuple[socket.socket, list[socket.socket], str]:
+    """A listener whose accept queue is full: a new connection to it is never accepted, so a
+    connect waits for its timeout (as to a host whose kernel is frozen)."""
+    srv = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = srv.getsockname()[1]
+    fill = []
+    for _ in range(3):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        fill.append(s)
+    time.sleep(0.1)
+    return srv, fill, f"http://127.0.0.1:{port}"
+
+
+async def _front(proxy: Proxy, engine: EngineSpec, stall: dict[str, bool]) -> tuple[web.AppRunner, str]:
+    """A real HTTP front whose handler makes one attempt through ``proxy``, and answers the outcome."""
+
+    async def attempt(request: web.Request) -> web.Response:
+        aw = proxy.forward(request, engine, method="POST", path="/v1/completions", body=b"{}", streaming=True,
+                           down=down, route="test", on_first_byte=lambda status: None)
+        outcome = await (_stalled(aw) if stall["on"] else aw)
+        if outcome.response is not None:
+            return outcome.response
+        return web.json_response({"kind": outcome.kind, "engine_down": outcome.engine_down,
+                                  "reason": outcome.reason})
+
+    down = asyncio.Event()
+    app = web.Application()
+    app.router.add_post("/attempt", attempt)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/attempt"
+
+
+def test_a_connect_timeout_the_router_saw_late_keeps_the_engine_up() -> None:
+    metrics = RouterMetrics()
+    srv, fill, url = _blackhole()
+    engine = EngineSpec("a", url, "a")
+
+    async def run() -> None:
+        stall = {"on": False}
+        async with aiohttp.ClientSession() as session:
+            proxy = Proxy(session, DEADLINE_S, stall_s=STALL_S, late=LateTimeouts(metrics.late_timeouts, "engine"))
+            runner, front = await _front(proxy, engine, stall)
+            try:
+                # Control: a connect timeout on time takes the engine down.
+                async with session.post(front) as r:
+                    got = await r.json()
+                assert (got["kind"], got["engine_down"]) == ("retry", True) and _late(metrics, "engine") == 0, got
+                stall["on"] = True
+                for k in range(1, MAX_INCONCLUSIVE):
+                    async with session.post(front) as r:
+                        got = await r.json()
+                    assert (got["kind"], got["engine_down"]) == ("retry", False), got
+                    assert "the router's own delay" in got["reason"] and _late(metrics, "engine") == k
+                async with session.post(front) as r:  # late MAX_INCONCLUSIVE times in a row: judged
+                    got = await r.json()
+                assert got["engine_down"] is True and _late(metrics, "engine") == MAX_INCONCLUSIVE
+            finally:
+                await runner.cleanup()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for s in (srv, *fill):
+            s.close()
+
+
+class _PausingEngine:
+    """An engine in a thread of its own (the router's stall does not stop it): streams a first
+    chunk at once, pauses ``pause_s``, then streams ``chunks`` more and ``data: [DONE]``."""
+
+    def __init__(self, pause_s: float, chunks: int = 3) -> None:
+        self.pause_s, self.chunks = pause_s, chunks
+        self.url = ""
+        ready = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def stream(request: web.Request) -> web.StreamResponse:
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b'data: {"chunk": 0}\n\n')
+            await asyncio.sleep(self.pause_s)
+            for i in range(1, self.chunks + 1):
+                await out.write(f'data: {{"chunk": {i}}}\n\n'.encode())
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            return out
+
+        async def start() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/completions", stream)
+            self.runner = web.AppRunner(app, access_log=None)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+        self.loop.run_until_complete(start())
+        ready.set()
+        self.loop.run_forever()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+#: The stall limit here, and the engine's pause after its first chunk: longer than the limit, but
+#: it ends well within a new limit started when the router's 1 s stall (from 0.05 s) is over.
+STREAM_STALL_S = 0.5
+PAUSE_S = 1.3
+
+
+def test_a_stream_stall_the_router_saw_late_does_not_end_the_stream() -> None:
+    """The engine is taken down by the health watch at its first byte, then pauses 1.3 s
+    mid-stream; the stall limit is 0.5 s. Control: the pause ends the stream at the limit. With
+    the router's loop stalled from 0.05 s to 1.05 s, the limit fires late: the stream is read
+    again, and goes on to its end."""
+    metrics = RouterMetrics()
+    engine_srv = _PausingEngine(PAUSE_S)
+    engine = EngineSpec("a", engine_srv.url, "a")
+
+    async def stream_once(session: aiohttp.ClientSession, stall: bool) -> str:
+        proxy = Proxy(session, 5.0, stall_s=STREAM_STALL_S, late=LateTimeouts(metrics.late_timeouts, "engine"))
+        down = asyncio.Event()
+
+        def first_byte(status: int) -> None:
+            down.set()  # taken down by the health watch while streaming: the stall limit applies
+            if stall:  # the router's own stall, once the limit's wait has begun
+                asyncio.get_running_loop().call_later(0.05, time.sleep, STALL_S)
+
+        async def attempt(request: web.Request) -> web.StreamResponse:
+            outcome = await proxy.forward(request, engine, method="POST", path="/v1/completions", body=b"{}",
+                                          streaming=True, down=down, route="test", on_first_byte=first_byte)
+            assert outcome.response is not None
+            return outcome.response
+
+        app = web.Application()
+        app.router.add_post("/attempt", attempt)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            async with session.post(f"http://127.0.0.1:{runner.addresses[0][1]}/attempt") as r:
+                return await r.text()
+        finally:
+            await runner.cleanup()
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            body = await stream_once(session, stall=False)  # control: on time, the pause ends it
+            assert "failed mid-response" in body and "[DONE]" not in body, body[-300:]
+            assert _late(metrics, "engine") == 0
+            body = await stream_once(session, stall=True)
+            assert body.endswith("data: [DONE]\n\n") and '"chunk": 3' in body, body[-300:]
+            assert _late(metrics, "engine") == 1
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine_srv.close()
