@@ -1,12 +1,13 @@
 """A timeout the router saw late says more about the router than about the engine or daemon.
 
 Every deadline of the router (an engine's health poll, an attempt's connect and a stream's stall
-limit in kvtier/router/proxy.py, a node's ``Locate``) is a timer on its one event loop. When the loop itself runs late (its process got no core for a while), every timer
-that fell due meanwhile fires as soon as it runs again, before the answers that reached its
-sockets in that time are read: every peer then looks dead at once. Seen in ``kvtier bench fleet
---rate 4`` on 2 cores: the router's loop ran up to a second late, an engine's health poll and both
-nodes' ``Locate`` timed out together, and for the next second every request went to the one
-engine left, by queue, away from the engine holding its prefix.
+limit in kvtier/router/proxy.py, a node's ``Locate``) is a timer on its one event loop. When the
+loop itself runs late (its process got no core for a while), every timer that fell due meanwhile
+fires as soon as it runs again, before the answers that reached its sockets in that time are read:
+every peer then looks dead at once. Seen in ``kvtier bench fleet --rate 4`` on 2 cores: the
+router's loop ran up to a second late, an engine's health poll and both nodes' ``Locate`` timed out
+together, and for the next second every request went to the one engine left, by queue, away from
+the engine holding its prefix.
 
 The rule: a wait of ``timeout_s`` that ended more than ``max(LATE_MIN_S, LATE_FRACTION x
 timeout_s)`` after it was due is *inconclusive*: the peer's state is left as it was, and the
