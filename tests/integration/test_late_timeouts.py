@@ -262,16 +262,19 @@ class _PausingEngine:
         self.thread.join(10)
 
 
-#: The stall limit here, and the engine's pause after its first chunk: longer than the limit, but
-#: it ends well within a new limit started when the router's 1 s stall (from 0.05 s) is over.
-STREAM_STALL_S = 0.5
-PAUSE_S = 1.3
+#: The stall limit here; the router's stall, from STREAM_STALL_AT_S after the first byte, covers
+#: the limit's due time; the engine's pause after its first chunk is longer than the limit, and
+#: ends 0.4 s after the router's stall, 0.4 s before a new limit started then would fall due.
+STREAM_STALL_S = 0.8
+STREAM_STALL_AT_S = 0.1
+ROUTER_STALL_S = 2.0
+PAUSE_S = 2.5
 
 
 def test_a_stream_stall_the_router_saw_late_does_not_end_the_stream() -> None:
-    """The engine is taken down by the health watch at its first byte, then pauses 1.3 s
-    mid-stream; the stall limit is 0.5 s. Control: the pause ends the stream at the limit. With
-    the router's loop stalled from 0.05 s to 1.05 s, the limit fires late: the stream is read
+    """The engine is taken down by the health watch at its first byte, then pauses 2.5 s
+    mid-stream; the stall limit is 0.8 s. Control: the pause ends the stream at the limit. With
+    the router's loop stalled from 0.1 s to 2.1 s, the limit fires late: the stream is read
     again, and goes on to its end."""
     metrics = RouterMetrics()
     engine_srv = _PausingEngine(PAUSE_S)
@@ -284,7 +287,7 @@ def test_a_stream_stall_the_router_saw_late_does_not_end_the_stream() -> None:
         def first_byte(status: int) -> None:
             down.set()  # taken down by the health watch while streaming: the stall limit applies
             if stall:  # the router's own stall, once the limit's wait has begun
-                asyncio.get_running_loop().call_later(0.05, time.sleep, STALL_S)
+                asyncio.get_running_loop().call_later(STREAM_STALL_AT_S, time.sleep, ROUTER_STALL_S)
 
         async def attempt(request: web.Request) -> web.StreamResponse:
             outcome = await proxy.forward(request, engine, method="POST", path="/v1/completions", body=b"{}",
