@@ -47,6 +47,16 @@ def _late(metrics: RouterMetrics, kind: str) -> float:
     return metrics.late_timeouts.labels(kind)._value.get()
 
 
+async def _serve(routes: list[web.RouteDef]) -> tuple[web.AppRunner, str]:
+    """An HTTP app on a free loopback port: its runner (to clean up) and its base URL."""
+    app = web.Application()
+    app.router.add_routes(routes)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 async def _stalled(aw, stall_s: float = STALL_S):
     """``aw`` awaited while the loop is blocked for ``stall_s`` just after it started waiting."""
     task = asyncio.ensure_future(aw)
@@ -111,15 +121,8 @@ def test_an_engine_keeps_its_state_when_the_router_stalled_past_its_health_poll(
         async def vllm_metrics(request: web.Request) -> web.Response:
             return web.Response(text=METRICS_TEXT)
 
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_get("/metrics", vllm_metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        spec = EngineSpec("a", f"http://127.0.0.1:{port}", "a")
+        runner, url = await _serve([web.get("/health", health), web.get("/metrics", vllm_metrics)])
+        spec = EngineSpec("a", url, "a")
         async with aiohttp.ClientSession() as session:
             watch = EngineWatch([spec], session, QueueModel(["a"]), EngineCacheView(["a"], 0), metrics,
                                 poll_s=60, timeout_s=DEADLINE_S)
@@ -173,13 +176,8 @@ async def _front(proxy: Proxy, engine: EngineSpec, stall: dict[str, bool]) -> tu
                                   "reason": outcome.reason})
 
     down = asyncio.Event()
-    app = web.Application()
-    app.router.add_post("/attempt", attempt)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/attempt"
+    runner, url = await _serve([web.post("/attempt", attempt)])
+    return runner, url + "/attempt"
 
 
 def test_a_connect_timeout_the_router_saw_late_keeps_the_engine_up() -> None:
@@ -243,16 +241,7 @@ class _PausingEngine:
             await out.write_eof()
             return out
 
-        async def start() -> None:
-            app = web.Application()
-            app.router.add_post("/v1/completions", stream)
-            self.runner = web.AppRunner(app, access_log=None)
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-        self.loop.run_until_complete(start())
+        self.runner, self.url = self.loop.run_until_complete(_serve([web.post("/v1/completions", stream)]))
         ready.set()
         self.loop.run_forever()
 
@@ -295,14 +284,9 @@ def test_a_stream_stall_the_router_saw_late_does_not_end_the_stream() -> None:
             assert outcome.response is not None
             return outcome.response
 
-        app = web.Application()
-        app.router.add_post("/attempt", attempt)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, url = await _serve([web.post("/attempt", attempt)])
         try:
-            async with session.post(f"http://127.0.0.1:{runner.addresses[0][1]}/attempt") as r:
+            async with session.post(url + "/attempt") as r:
                 return await r.text()
         finally:
             await runner.cleanup()
