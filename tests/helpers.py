@@ -51,21 +51,22 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, every_s: float = 0
     return cond()
 
 
+def _state(pid: int, tid: int) -> str | None:
+    """A thread's state letter from /proc (None: it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def _threads_stopped(pid: int) -> bool:
-    """Whether every thread of ``pid`` is stopped (state T), or the process is gone."""
+    """Whether every thread of ``pid`` is stopped (state T), ended, or the process is gone."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return True
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # the thread ended
-        if state not in ("T", "t", "Z", "X"):
-            return False
-    return True
+    return all(_state(pid, int(tid)) in (None, "T", "t", "Z", "X") for tid in tids)
 
 
 def _group(pgid: int) -> list[int]:
@@ -82,9 +83,10 @@ def _group(pgid: int) -> list[int]:
 
 def freeze(pid: int, *, group: bool = False, timeout_s: float = 10.0) -> None:
     """SIGSTOP ``pid`` (with ``group``, its process group) and return once every thread has
-    stopped. The kernel stops a process when the thread that takes the signal next runs; one in
-    an uninterruptible wait (disk I/O on a loaded host) holds the stop off while the other threads
-    go on serving: in CI a daemon frozen this way answered ``Locate`` 7 ms after the signal."""
+    stopped. The kernel stops a process when the thread that takes the signal next runs; one
+    waiting for a CPU on a loaded host (or in an uninterruptible wait) holds the stop off while the
+    other threads go on serving: in CI a daemon frozen this way answered ``Locate`` 7 ms after the
+    signal. A process that died instead is an error here, not a freeze."""
     if group:
         os.killpg(pid, signal.SIGSTOP)
     else:
@@ -92,3 +94,5 @@ def freeze(pid: int, *, group: bool = False, timeout_s: float = 10.0) -> None:
     pids = _group(pid) if group else [pid]
     assert wait_for(lambda: all(_threads_stopped(p) for p in pids), timeout_s, every_s=0.005), \
         f"process {pid} not stopped {timeout_s} s after SIGSTOP"
+    state = _state(pid, pid)
+    assert state in ("T", "t"), f"process {pid} is {state or 'gone'} after SIGSTOP, not stopped"
