@@ -328,6 +328,8 @@ def _daemon_root(cfg: Mapping[str, Any]) -> GrpcTier:
     ca = cfg.get("daemon_ca_file")
     return GrpcTier(GrpcTierConfig(str(address), token, tls_ca=read_public_file(str(ca), "kvtier.daemon_ca_file")
                                    if ca else None, timeout_s=float(cfg.get("daemon_timeout_s", 30.0)),
+                                   # A frozen daemon costs one request its deadline, not every request.
+                                   hold_off_s=float(cfg.get("daemon_hold_off_s", 1.0)),
                                    # auto: shared memory with a daemon on this node, else inline gRPC.
                                    data_plane=str(cfg.get("data_plane", "auto")),
                                    region_bytes=int(cfg.get("region_bytes", 256 << 20))))

@@ -73,6 +73,11 @@ class DeadlineExceeded(TierUnavailable):
     """A call ran past its deadline (the client's, or the server's own limit)."""
 
 
+class HeldOff(TierUnavailable):
+    """Not asked: the daemon left a recent call unanswered, and its client holds off until a
+    probe gets an answer (storage_backends/circuit_breaker.py). Never sent on the wire."""
+
+
 class DataPlaneUnavailable(KvtierError):
     """Shared memory cannot be used with this daemon from this process (the reason says why)."""
 

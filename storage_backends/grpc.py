@@ -18,6 +18,7 @@ bytes do not match is a counted miss, never returned.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +42,7 @@ from kvtier.errors import (
     ConfigError,
     DataPlaneUnavailable,
     DeadlineExceeded,
+    HeldOff,
     InvalidRequest,
     KvtierError,
     LayoutMismatch,
@@ -72,10 +74,14 @@ from kvtier.store.layer_sink import LayerSink
 from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
+from storage_backends.circuit_breaker import BreakerState, CircuitBreaker
+
+log = logging.getLogger("kvtier.daemon_client")
 
 #: Failures an engine-facing call turns into a miss (or a rejected put), by metrics cause. A
 #: RateLimited read (the daemon's miss limit) is a refusal for now, like Overloaded, not a crash.
 DEGRADED: tuple[tuple[type[KvtierError], str], ...] = (
+    (HeldOff, "held_off"),
     (DeadlineExceeded, "timeout"),
     (TierUnavailable, "unavailable"),
     (Overloaded, "overloaded"),
@@ -84,6 +90,10 @@ DEGRADED: tuple[tuple[type[KvtierError], str], ...] = (
 
 
 TokenSource = str | Callable[[], str]
+
+#: The longest a client holds off an unreachable daemon between probes, and a probe's deadline.
+MAX_HOLD_OFF_S = 8.0
+PROBE_TIMEOUT_S = 1.0
 
 #: Region blocks described by one Put message (each description is ~200 bytes), and their payload.
 REGION_RUN = 512
@@ -119,6 +129,11 @@ class GrpcTierConfig:
     region_bytes: int = 256 << 20
     #: Every Put returns only once its blocks are on the daemon's disk tier (else: once in its RAM).
     durable: bool = False
+    #: After a call found the daemon unreachable (no answer within its deadline, or no
+    #: connection), every call on the channel fails at once (HeldOff) for this long; then one
+    #: probes, with a deadline of at most PROBE_TIMEOUT_S, and each probe that fails doubles the
+    #: wait, up to MAX_HOLD_OFF_S. 0: never (each call waits its own deadline).
+    hold_off_s: float = 0.0
 
     def validate(self) -> None:
         if not self.target or ":" not in self.target:
@@ -133,6 +148,8 @@ class GrpcTierConfig:
             raise ConfigError("GrpcTierConfig.timeout_s must be positive")
         if not 1 <= self.max_attempts <= 5:
             raise ConfigError("GrpcTierConfig.max_attempts must be in [1, 5]")
+        if not 0 <= self.hold_off_s <= MAX_HOLD_OFF_S:
+            raise ConfigError(f"GrpcTierConfig.hold_off_s must be in [0, {MAX_HOLD_OFF_S:g}] seconds")
         if self.data_plane not in DataPlaneSession.MODES:
             raise ConfigError(f"GrpcTierConfig.data_plane must be one of {DataPlaneSession.MODES}")
         if not 1 << 20 <= self.region_bytes <= 1 << 40:
@@ -208,7 +225,8 @@ class GrpcTier(Tier):
         self.config = config
         self._owns_channel = channel is None
         self._ch = channel if channel is not None else _Channel(
-            config.channel(), DataPlaneSession(config.data_plane, config.region_bytes))
+            config.channel(), DataPlaneSession(config.data_plane, config.region_bytes),
+            CircuitBreaker(1, config.hold_off_s, max_cooldown_s=MAX_HOLD_OFF_S) if config.hold_off_s else None)
         self._stub, self._get, self._put = self._ch.stub, self._ch.get, self._ch.put
         self._lock = threading.Lock()
         self._domains: DomainTable | None = None
@@ -264,17 +282,53 @@ class GrpcTier(Tier):
         """This channel's shared-memory session (its link, the bytes moved through it)."""
         return self._ch.session
 
+    @property
+    def breaker(self) -> CircuitBreaker | None:
+        """This channel's breaker (``hold_off_s``), shared by every client on it; None: off."""
+        return self._ch.breaker
+
+    def _admit(self, timeout_s: float) -> float:
+        """The deadline of a call the breaker lets go (a probe's at most PROBE_TIMEOUT_S: a daemon
+        that answers at all answers well within it); HeldOff when it holds calls off."""
+        b = self._ch.breaker
+        if b is None:
+            return timeout_s
+        state = b.admit()
+        if state is None:
+            wait = b.retry_in_s()
+            raise HeldOff(f"daemon {self.config.target}: not asked, a call found it unreachable; "
+                          + (f"a probe goes in {wait:.1f} s" if wait else "a probe is out"))
+        return min(timeout_s, PROBE_TIMEOUT_S) if state is BreakerState.HALF_OPEN else timeout_s
+
+    def _ended(self, err: KvtierError | None) -> None:
+        """How an admitted call ended (``err`` None: answered). Only ``TierUnavailable`` counts
+        against the daemon: any answer, a refusal included, shows it is there."""
+        b = self._ch.breaker
+        if b is None:
+            return
+        before = b.state
+        b.record(not isinstance(err, TierUnavailable))
+        after = b.state
+        if before is BreakerState.CLOSED and after is BreakerState.OPEN:
+            log.warning("daemon %s: %s; calls fail at once for %.1f s, then one probes",
+                        self.config.target, err, b.retry_in_s())
+        elif before is not BreakerState.CLOSED and after is BreakerState.CLOSED:
+            log.warning("daemon %s answers again: calls go through", self.config.target)
+
     def _unary(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
-        """One unary call (``timeout_s``: the config's by default); every failure becomes the
-        matching kvtier exception."""
+        """One unary call (``timeout_s``: the config's by default, or less for the breaker's
+        probe); every failure becomes the matching kvtier exception (HeldOff: not sent)."""
         fn = getattr(self._stub, method)
+        deadline = self._admit(self.config.timeout_s if timeout_s is None else timeout_s)
         t0 = time.perf_counter()
+        err: KvtierError | None = None
         try:
-            return fn(request, timeout=self.config.timeout_s if timeout_s is None else timeout_s,
-                      metadata=self._metadata())
+            return fn(request, timeout=deadline, metadata=self._metadata())
         except grpc.RpcError as exc:
-            raise error_from(exc) from None
+            err = error_from(exc)
+            raise err from None
         finally:
+            self._ended(err)
             self.metrics.observe(method.lower(), time.perf_counter() - t0)
 
     def _degrade(self, exc: KvtierError) -> bool:
@@ -518,7 +572,13 @@ class GrpcTier(Tier):
         asm = BlockAssembler(allocate, slots.place, region=window, verify_region=False,
                              adopt=adopt if outs is None and take is None else None, take=take)
         placed_bytes = 0  # bytes of the blocks described as placed (they never pass through the assembler)
-        stream = self._get(request, timeout=self.config.timeout_s, metadata=self._metadata(named))
+        try:
+            deadline = self._admit(self.config.timeout_s)
+        except HeldOff as exc:
+            self._degrade(exc)  # every block a miss, counted as held off
+            return
+        stream = self._get(request, timeout=deadline, metadata=self._metadata(named))
+        err: KvtierError | None = None
         try:
             for msg in stream:
                 # Laid out by layers, progress (layers_ready) comes alone or on the message that
@@ -558,6 +618,7 @@ class GrpcTier(Tier):
             stream.cancel()
             raise
         finally:
+            self._ended(err)
             if layered is not None:
                 for pos, blk in layered.done():
                     out[pos] = blk
@@ -610,11 +671,15 @@ class GrpcTier(Tier):
     def _put_call(self, blocks: Sequence[Block],
                   shm: tuple[SharedMemoryLink, Slice | None, dict[int, int]] | None) -> pb.PutResponse:
         chunks = self._chunks(blocks) if shm is None else self._region_chunks(blocks, *shm)
+        deadline = self._admit(self.config.timeout_s)
+        err: KvtierError | None = None
         try:
-            return self._put(chunks, timeout=self.config.timeout_s,
-                             metadata=self._put_metadata(None if shm is None else shm[0]))
+            return self._put(chunks, timeout=deadline, metadata=self._put_metadata(None if shm is None else shm[0]))
         except grpc.RpcError as exc:
-            raise error_from(exc) from None
+            err = error_from(exc)
+            raise err from None
+        finally:
+            self._ended(err)
 
     def _chunks(self, blocks: Sequence[Block]) -> Iterator[ChunkFrame]:
         # Payloads are read while streaming; Block guarantees a contiguous CPU-side view.
@@ -753,10 +818,12 @@ def _placed(link: SharedMemoryLink, blocks: Sequence[Block]) -> dict[int, int]:
 class _Channel:
     """One channel to a daemon and its method stubs, shared by the clients acting for many salts."""
 
-    def __init__(self, channel: grpc.Channel, session: DataPlaneSession) -> None:
+    def __init__(self, channel: grpc.Channel, session: DataPlaneSession, breaker: CircuitBreaker | None) -> None:
         self.channel = channel
         #: The shared-memory region of this channel, used by every client on it.
         self.session = session
+        #: Whether calls go to the daemon now: every client on the channel holds off together.
+        self.breaker = breaker
         self.stub = pb_grpc.KvCacheStub(channel)
         # Payload-carrying calls use the frame codec (one copy of each payload byte per side).
         self.get = channel.unary_stream(f"/{SERVICE_NAME}/Get", request_serializer=pb.GetRequest.SerializeToString,

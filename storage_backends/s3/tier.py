@@ -37,7 +37,7 @@ from kvtier.errors import ConfigError, CorruptRecord, KeyUnavailable, LayoutMism
 from kvtier.keys import DOMAIN_BYTES, BlockKey, ScopeDomain
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
-from storage_backends.s3.breaker import CircuitBreaker
+from storage_backends.circuit_breaker import CircuitBreaker
 from storage_backends.s3.config import MAX_OBJECT_BYTES, ObjectNamer, S3Config
 from storage_backends.s3.probes import PROBES
 

@@ -12,10 +12,10 @@ import pytest
 
 from kvtier.server.embedded_s3 import EmbeddedS3
 from kvtier.store.tiered_store import TieredStore
+from storage_backends.circuit_breaker import BreakerState
 from storage_backends.lmdb import LmdbTier
 from storage_backends.memory import MemoryTier
 from storage_backends.s3 import S3Tier
-from storage_backends.s3.breaker import BreakerState
 from tests.helpers import SMALL, chain_blocks, same_bytes, wait_for
 
 BPB = SMALL.bytes_per_block

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.server.embedded_s3 import EmbeddedS3
+from storage_backends.circuit_breaker import BreakerState
 from storage_backends.s3 import S3Tier
-from storage_backends.s3.breaker import BreakerState
 from tests.helpers import chain_blocks
 
 
