@@ -278,24 +278,34 @@ class Router:
         """Each engine's predicted queue wait and service time (kvtier/router/choice.py): its node's
         ``Locate`` price, or, where the engine itself is believed to hold at least what its node
         holds (kvtier/router/engine_cache.py), the price of computing what it lacks; at the
-        engines' pace, as the waits are measured (kvtier/router/pace.py)."""
-        if located:
-            # A node that did not answer serves the request by computing it all.
-            fallback = max(a.recompute_ms for a in located.values()) / 1e3
-            prior = fallback
-        else:
-            fallback, prior = 0.0, self.settings.queue_prior_s
+        engines' pace, as the waits are measured (kvtier/router/pace.py).
+
+        An engine whose node gave no answer (down, or late for the request's budget) can load
+        nothing from it: it is priced at computing what it lacks itself, at the prices another
+        node's answer gave this prompt. With no answer at all the router prices what the engines
+        hold from what it knows (``HeldRule.unlocated``), and where that is nothing, every engine
+        alike: the queue and the load decide."""
+        if not located:
+            known = self.held_rule.unlocated(engines, digests, now) if digests else None
+            if known is not None:
+                return known
+            return [Candidate(e.name, q.wait_s, 0.0, q.load) for e in engines
+                    for q in (self.queue.predict(e.name, now, self.settings.queue_prior_s),)]
+        # The most any node prices computing the whole prompt: what a node without an answer costs.
+        ref = max(located.values(), key=lambda a: a.recompute_ms)
         out = []
         for e in engines:
             k = self.pace.value(e.name, now)
-            q = self.queue.predict(e.name, now, prior * k if located else prior)
-            answer = located.get(e.node) if located else None
-            service = (answer.ttft_ms / 1e3 if answer is not None else fallback) * k
-            if answer is not None and digests:
-                own = engine_price_ms(answer, self.cached.resident(e.name, digests))
+            q = self.queue.predict(e.name, now, ref.recompute_ms / 1e3 * k)
+            answer = located.get(e.node)
+            service = answer.ttft_ms if answer is not None else ref.recompute_ms
+            if digests:
+                resident = self.cached.resident(e.name, digests)
+                own = (engine_price_ms(answer, resident) if answer is not None
+                       else computing_ms(ref, resident))
                 if own is not None:
-                    service = min(service, own / 1e3 * k)
-            out.append(Candidate(e.name, q.wait_s, service, q.load))
+                    service = min(service, own)
+            out.append(Candidate(e.name, q.wait_s, service / 1e3 * k, q.load))
         return out
 
     async def _attempts(self, request: web.Request, endpoint: str, method: str, raw: bytes,
@@ -337,7 +347,7 @@ class Router:
             self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
 
             def first_byte(status: int, ticket=ticket, engine=engine, pending=pending, choice=choice,
-                           attempt=attempt, decided=now, pace=pace) -> None:
+                           attempt=attempt, decided=now, pace=pace, priced=bool(located)) -> None:
                 t = time.monotonic()
                 if status == 200:  # an error answer computed no prompt
                     self.cached.computed(pending)
@@ -345,7 +355,8 @@ class Router:
                 if sample is not None:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
                     # Priced by the cost model (Locate's prices): how much slower than priced it ran.
-                    if choice.reason != HELD and choice.service_s > 0:
+                    # Not a choice priced from the measured prefill (held, or without an answer).
+                    if priced and choice.reason != HELD and choice.service_s > 0:
                         self.pace.paced(engine.name, sample, choice.service_s / pace, t)
                         self.metrics.pace.labels(engine.name).set(self.pace.value(engine.name, t))
                 if streaming:
@@ -398,12 +409,20 @@ class Router:
 
 def engine_price_ms(answer: Located, resident: int) -> float | None:
     """The predicted TTFT at an engine that holds the first ``resident`` requested blocks itself,
-    when that covers everything its node holds (else None: the node's price stands). Between the
-    node's two prices: every block computed (``recompute_ms``) and only the new tokens
+    when that covers everything its node holds (else None: the node's price stands)."""
+    if resident < answer.matched_blocks:
+        return None
+    return computing_ms(answer, resident)
+
+
+def computing_ms(answer: Located, resident: int) -> float | None:
+    """The predicted TTFT of computing the prompt of ``answer`` past its first ``resident``
+    requested blocks (None when that is none, or the answer has no tail price). Between the
+    answer's two prices: every block computed (``recompute_ms``) and only the new tokens
     (``tail_ms``), in proportion to the blocks held."""
     n = answer.requested_blocks
     r = min(resident, n)
-    if not r or r < answer.matched_blocks or answer.tail_ms <= 0:
+    if not r or answer.tail_ms <= 0:
         return None  # tail_ms 0: a daemon from before the field
     return answer.recompute_ms - (answer.recompute_ms - answer.tail_ms) * r / n
 

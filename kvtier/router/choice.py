@@ -5,9 +5,11 @@ Per engine that is up, ``predicted = wait + service``: ``wait`` from the queue m
 node, as the node's daemon answered ``Locate`` (reload what its tiers hold, recompute the rest), or
 less where the engine is believed to hold the prefix in its own cache (kvtier/router/app.py), at
 the engine's pace (kvtier/router/pace.py): the waits are measured, the prices an idle engine's.
-An engine whose daemon did not answer is priced at a full recompute (its connector cannot load
-anything there); with no answer from any daemon, every engine is priced alike and the queue and
-the load decide.
+An engine whose daemon did not answer is priced at computing what it lacks itself (a full
+recompute where it is not believed to hold the prefix: its connector cannot load anything from
+its node); with no answer from any daemon, at what the router knows the engines hold
+(kvtier/router/held_rule.py, ``unlocated``), and where that is nothing every engine is priced
+alike: the queue and the load decide.
 
 An engine's cost is its prediction plus the wait its work adds for the requests expected to
 reach it before that first token::

@@ -90,14 +90,12 @@ class HeldRule:
         return f
 
     def decide(self, up: Sequence[EngineSpec], digests: Sequence[bytes], now: float) -> Choice | None:
-        resident = {e.name: self.cached.resident(e.name, digests) for e in up}
-        r = max(resident.values(), default=0)
-        if not r or not self._anywhere.none_seen(digests[r:]):
+        held = self._holders(up, digests)
+        if held is None:
             return None
-        measured = [p for p in (self.queue.prefill_s(n) for n, k in resident.items() if k == r) if p is not None]
-        if not measured:
+        resident, r, price = held
+        if not self._anywhere.none_seen(digests[r:]):
             return None
-        price = max(measured)
         holders, floors = [], []
         for e in up:
             if resident[e.name] == r:
@@ -113,6 +111,34 @@ class HeldRule:
             extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3 * self.pace.value(e.name, now)
             floors.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
         return self.chooser.held(holders, floors, now)
+
+    def unlocated(self, up: Sequence[EngineSpec], digests: Sequence[bytes], now: float) -> list[Candidate] | None:
+        """Every engine priced without a ``Locate`` answer (none came within the request's budget,
+        or every node is down), by what it holds itself: the holders at their measured prefill
+        (the price ``decide`` gives them), every other engine at that plus computing the blocks it
+        lacks of theirs (its node's price a block), as no node's tiers can be counted on. None
+        when no engine is believed to hold any of the prompt, or no prefill is measured yet."""
+        held = self._holders(up, digests)
+        if held is None:
+            return None
+        resident, r, price = held
+        out = []
+        for e in up:
+            extra_s = (r - resident[e.name]) * self._block_ms.get(e.node, 0.0) / 1e3 * self.pace.value(e.name, now)
+            q = self.queue.predict(e.name, now, price)
+            out.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
+        return out
+
+    def _holders(self, up: Sequence[EngineSpec], digests: Sequence[bytes]) -> tuple[dict[str, int], int, float] | None:
+        """Per engine the prompt's leading blocks it holds itself, the most any holds (``r``), and
+        the holders' price (their highest measured mean prefill); None when no engine holds any,
+        or no holder's prefill is measured yet."""
+        resident = {e.name: self.cached.resident(e.name, digests) for e in up}
+        r = max(resident.values(), default=0)
+        measured = [p for p in (self.queue.prefill_s(n) for n, k in resident.items() if k == r) if p is not None]
+        if not r or not measured:
+            return None
+        return resident, r, max(measured)
 
     def located(self, digests: Sequence[bytes], answers: Mapping[str, Located]) -> None:
         """What a Locate found: each node's leading blocks (any tier), and its price a block."""

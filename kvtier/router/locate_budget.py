@@ -1,7 +1,8 @@
 """How long a request waits for ``Locate``: no longer than the answer can save it.
 
-Without a node's answer the router prices that node's engines at a full recompute, and the engine
-it chooses still loads whatever its own node holds (its connector asks its daemon). So the
+Without a node's answer the router prices that node's engines at a full recompute (less what an
+engine holds in its own prefix cache), and the engine it chooses still loads whatever its own
+node holds (its connector asks its daemon). So the
 answers can save a request at most the computation of its prompt's full blocks, and waiting
 longer than that for them is a loss whatever they say. Per request::
 

@@ -413,6 +413,39 @@ def test_engines_killed_or_frozen_drop_out_and_rejoin(fleet: Fleet) -> None:
 
 
 # -- daemon faults (issue 30 part 6); kills a daemon, so it runs last of the module fleet's tests ---
+def test_a_turn_whose_nodes_did_not_answer_goes_to_the_engine_holding_its_history(fleet: Fleet) -> None:
+    """Locate asked for every request, the router knowing its engines' caches: with the holder's
+    daemon frozen, the holder is priced at computing what it lacks (at the prices the other
+    node's answer gave), not at computing it all, and the turn goes there; with both daemons
+    frozen (no answer within the request's budget), it still goes there, priced from what the router knows
+    (kvtier/router/held_rule.py, ``unlocated``). Control: the first turn, held nowhere, is balanced."""
+    f = fleet
+    alice = f.dep.salt("acme", "alice")
+    r = router(f.root / "unanswered", {n: f.engine_url(n) for n in f.engines},
+               nodes={n: p.address for n, p in f.nodes.items()}, token_file=f.token_file, tokenizer=f.tokenizer,
+               extra=("--engine-cache-blocks", "1000", "--locate-every-request"))
+    u = r.ready["url"]
+    try:
+        turn = list(range(12000, 12000 + 3 * BT + 1))
+        first = complete(u, turn, alice, stream=True)
+        assert first.route == "balanced"
+        holder = first.engine
+        other = next(n for n in f.engines if n != holder)
+        for i, frozen in enumerate(((holder,), (holder, other))):
+            f.nodes[frozen[-1]].freeze()
+            ended = metric(u, "kvtier_router_locate_budget_ended_total")
+            turn = turn + list(range(12500 + 100 * i, 12500 + 100 * i + 2 * BT))
+            got = complete(u, turn, alice, stream=True)
+            assert (got.engine, got.route) == (holder, "cache"), (frozen, got.engine, got.route)
+            if len(frozen) == 2:  # no node answered within the request's budget
+                assert metric(u, "kvtier_router_locate_budget_ended_total") == ended + 1
+            assert got.body == complete(f.engine_url(holder), turn, alice, stream=True).body
+    finally:
+        for p in f.nodes.values():
+            p.thaw()
+        r.stop()
+
+
 def test_a_daemon_frozen_or_killed_mid_run_the_router_routes_around_it(fleet: Fleet) -> None:
     f = fleet
     alice = f.dep.salt("acme", "alice")

@@ -3,7 +3,7 @@ and the price it gives an engine that holds a request's blocks (kvtier/router/ap
 
 from __future__ import annotations
 
-from kvtier.router.app import engine_price_ms
+from kvtier.router.app import computing_ms, engine_price_ms
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.server.locate import Located
 
@@ -98,3 +98,11 @@ def test_an_engine_holding_all_its_node_holds_is_priced_at_what_it_lacks() -> No
     assert engine_price_ms(_located(matched=0), resident=0) is None
     assert engine_price_ms(_located(matched=0, tail_ms=0.0), resident=10) is None
     assert engine_price_ms(_located(matched=0), resident=99) == 50.0  # capped at the requested blocks
+
+
+def test_an_engine_whose_node_did_not_answer_is_priced_at_computing_what_it_lacks() -> None:
+    """Priced from another node's answer for the prompt: that node's holdings do not matter."""
+    assert computing_ms(_located(matched=8), resident=6) == 450.0
+    assert computing_ms(_located(matched=8), resident=10) == 50.0
+    assert computing_ms(_located(matched=8), resident=0) is None  # holds nothing: the full recompute stands
+    assert computing_ms(_located(matched=0, tail_ms=0.0), resident=5) is None

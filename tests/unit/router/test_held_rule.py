@@ -141,3 +141,30 @@ def test_a_floor_is_priced_at_the_engines_pace() -> None:
     assert w.pace.value("b", w.now) > 2.99
     got = w.decide(TURN)
     assert got is not None and (got.engine, got.reason) == ("a", HELD)
+
+
+def test_without_any_answer_engines_are_priced_by_what_they_hold_themselves() -> None:
+    """No Locate answer came (the budget ended, or every node is down): the holder at its measured
+    prefill (50 ms), the other engine at that plus computing the 6 history blocks it lacks at its
+    node's last price (10 ms a block), even where b's node may hold them (its tiers cannot be
+    counted on without an answer). The chooser then sends the turn to the holder."""
+    w = World([A, B])
+    w.located(HISTORY, {"a": 0, "b": 6})  # b's node holds the history: decide() leaves it to Locate
+    w.served(A, HISTORY)
+    assert w.decide(TURN) is None
+    got = w.rule.unlocated([A, B], w.digests(TURN), w.now)
+    assert got is not None
+    assert [(c.engine, round(c.service_s, 6)) for c in got] == [("a", 0.05), ("b", 0.11)]
+    assert w.rule.chooser.choose(got, w.now).engine == "a"
+    # Before any block price is known every engine costs the holder's price: the queue decides.
+    w2 = World([A, B])
+    w2.served(A, HISTORY)
+    got = w2.rule.unlocated([A, B], w2.digests(TURN), w2.now)
+    assert got is not None and [round(c.service_s, 6) for c in got] == [0.05, 0.05]
+    # Nothing held, or no prefill measured: nothing to price by (None: every engine alike).
+    empty = World([A, B])
+    assert empty.rule.unlocated([A, B], empty.digests(TURN), empty.now) is None
+    w3 = World([A, B])
+    d = w3.digests(HISTORY)
+    w3.cached.computed(w3.cached.sent("a", d))
+    assert w3.rule.unlocated([A, B], w3.digests(TURN), w3.now) is None
