@@ -5,15 +5,15 @@ the engine's and no daemon sees it. The router knows what it sent where: a promp
 came from an engine left its full blocks in that engine's cache, until the engine evicts them,
 least recently used first, when its cache is full. This view keeps, per engine, the chain digests
 of the blocks of those prompts, least recently used first out beyond the engine's capacity
-(``vllm:cache_config_info``'s ``num_gpu_blocks``, or ``default_blocks`` until an engine reports
-it). A prompt sent to an engine and not yet answered counts there too, as pending: an engine
-serves its queue in order, so a request sent after it finds its blocks computed by the time its
-own turn comes (its wait, which the queue model prices, includes that computation). Without
-this, every request for a document still queued somewhere looks like a miss everywhere, and under
-load the fleet computes the same document on several engines at once (the fleet simulator: p99
-8.2 s instead of 0.3 s on its shared-documents workload at 8 nodes, benchmarks/fleet_sim/). A
-pending prompt whose attempt ends without a first token (an error answer, a failed connection)
-is dropped; one that had its first token becomes the most recently used.
+(``vllm:cache_config_info``'s ``num_gpu_blocks``, 0 where its ``enable_prefix_caching`` is False,
+or ``default_blocks`` until an engine reports it). A prompt sent to an engine and not yet answered
+counts there too, as pending: an engine serves its queue in order, so a request sent after it finds
+its blocks computed by the time its own turn comes (its wait, which the queue model prices,
+includes that computation). Without this, every request for a document still queued somewhere looks
+like a miss everywhere, and under load the fleet computes the same document on several engines at
+once (the fleet simulator: p99 8.2 s instead of 0.3 s on its shared-documents workload at 8 nodes,
+benchmarks/fleet_sim/). A pending prompt whose attempt ends without a first token (an error answer,
+a failed connection) is dropped; one that had its first token becomes the most recently used.
 
 A digest chains the block's tokens onto its parent's under the request's ``cache_salt``, as vLLM's
 own block hashes do (its prefix cache shares a block only between requests with the same salt), so

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
-#: An info gauge whose ``num_gpu_blocks`` label is the size of the engine's own KV cache.
+#: An info gauge whose ``num_gpu_blocks`` label is the size of the engine's own KV cache, and
+#: whose ``enable_prefix_caching`` label says whether it keeps anything between requests.
 CACHE_INFO = "vllm:cache_config_info"
 
 #: A line that is none of: empty, a comment, a sample (``name[{labels}] number ...``).
@@ -39,7 +40,7 @@ class EngineLoad:
     waiting: int = 0
     #: Whether the engine's metrics had the gauges (False: both counts are 0 for lack of news).
     known: bool = False
-    #: Blocks the engine's own prefix cache holds (None: not reported).
+    #: Blocks the engine's own prefix cache holds (None: not reported; 0: prefix caching is off).
     cache_blocks: int | None = None
 
 
@@ -54,9 +55,14 @@ def parse_vllm_load(text: str) -> EngineLoad:
         for sample in family.samples:
             if sample.name in (RUNNING, WAITING):
                 found[sample.name] = found.get(sample.name, 0.0) + sample.value
-            elif sample.name == CACHE_INFO and sample.labels.get("num_gpu_blocks", "").isdigit():
+            elif sample.name == CACHE_INFO:
+                if sample.labels.get("enable_prefix_caching") == "False":
+                    n = 0  # its blocks are freed as each request ends: it holds nothing for the next
+                elif sample.labels.get("num_gpu_blocks", "").isdigit():
+                    n = int(sample.labels["num_gpu_blocks"])
+                else:
+                    continue
                 # One sample per engine core of a data-parallel server: the smallest holds for all.
-                n = int(sample.labels["num_gpu_blocks"])
                 blocks = n if blocks is None else min(blocks, n)
     if not found:
         return EngineLoad(cache_blocks=blocks)

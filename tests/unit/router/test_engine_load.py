@@ -46,6 +46,10 @@ def test_the_engines_own_cache_size_comes_from_its_cache_info() -> None:
     assert parse_vllm_load(VLLM).cache_blocks is None
     # Before the engine sized its cache vLLM writes "None": not a size.
     assert parse_vllm_load('vllm:cache_config_info{num_gpu_blocks="None"} 1.0\n').cache_blocks is None
+    # An engine without prefix caching (vllm serve --no-enable-prefix-caching) keeps nothing.
+    off = 'vllm:cache_config_info{enable_prefix_caching="False",num_gpu_blocks="2048"} 1.0\n'
+    assert parse_vllm_load(off).cache_blocks == 0
+    assert parse_vllm_load(off.replace('"False"', '"True"')).cache_blocks == 2048
 
 
 def test_a_real_vllm_exposition_reads_as_the_full_parse_does() -> None:
