@@ -315,9 +315,23 @@ def principal_of(table: DomainTable) -> Principal:
     return Principal(tenant, user, org=org, session=session)
 
 
+def _seconds(cfg: Mapping[str, Any], name: str, default: float, most: float, *, zero: bool = False) -> float:
+    """Option ``kvtier.<name>``: a number of seconds, above 0 (or 0 where ``zero``) and at most ``most``."""
+    v = cfg.get(name, default)
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= 0 if zero else v > 0) or v > most:
+        low = "[0" if zero else "(0"
+        raise ConfigError(f"kvtier.{name}: a number of seconds in {low}, {most:g}], got {cfg.get(name)!r}")
+    return float(v)
+
+
 def _daemon_root(cfg: Mapping[str, Any]) -> GrpcTier:
     from kvtier.security.secrets import read_public_file, read_secret_file
-    from storage_backends.grpc import GrpcTier, GrpcTierConfig
+    from storage_backends.grpc import MAX_HOLD_OFF_S, GrpcTier, GrpcTierConfig
 
     address = cfg.get("daemon")
     token_file = cfg.get("daemon_token_file")
@@ -327,9 +341,9 @@ def _daemon_root(cfg: Mapping[str, Any]) -> GrpcTier:
     token = read_secret_file(str(token_file), "kvtier.daemon_token_file").decode().strip()
     ca = cfg.get("daemon_ca_file")
     return GrpcTier(GrpcTierConfig(str(address), token, tls_ca=read_public_file(str(ca), "kvtier.daemon_ca_file")
-                                   if ca else None, timeout_s=float(cfg.get("daemon_timeout_s", 30.0)),
+                                   if ca else None, timeout_s=_seconds(cfg, "daemon_timeout_s", 30.0, 3600.0),
                                    # A frozen daemon costs one request its deadline, not every request.
-                                   hold_off_s=float(cfg.get("daemon_hold_off_s", 1.0)),
+                                   hold_off_s=_seconds(cfg, "daemon_hold_off_s", 1.0, MAX_HOLD_OFF_S, zero=True),
                                    # auto: shared memory with a daemon on this node, else inline gRPC.
                                    data_plane=str(cfg.get("data_plane", "auto")),
                                    region_bytes=int(cfg.get("region_bytes", 256 << 20))))
