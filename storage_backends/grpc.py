@@ -572,14 +572,12 @@ class GrpcTier(Tier):
         asm = BlockAssembler(allocate, slots.place, region=window, verify_region=False,
                              adopt=adopt if outs is None and take is None else None, take=take)
         placed_bytes = 0  # bytes of the blocks described as placed (they never pass through the assembler)
+        err: KvtierError | None = None
+        admitted = False
         try:
             deadline = self._admit(self.config.timeout_s)
-        except HeldOff as exc:
-            self._degrade(exc)  # every block a miss, counted as held off
-            return
-        stream = self._get(request, timeout=deadline, metadata=self._metadata(named))
-        err: KvtierError | None = None
-        try:
+            admitted = True
+            stream = self._get(request, timeout=deadline, metadata=self._metadata(named))
             for msg in stream:
                 # Laid out by layers, progress (layers_ready) comes alone or on the message that
                 # carries the chunks of the blocks it is about (see RegionWriter).
@@ -602,6 +600,8 @@ class GrpcTier(Tier):
             if layered is not None and layered.incomplete:
                 raise InvalidRequest(f"the stream ended with {layered.incomplete} blocks laid out by layers incomplete")
             self._ch.session.moved("get", asm.region_bytes + placed_bytes)
+        except HeldOff as exc:  # not sent: every block a miss
+            self._degrade(exc)
         except grpc.RpcError as exc:
             err = error_from(exc)
             if isinstance(err, RegionUnavailable) or not self._degrade(err):
@@ -618,7 +618,8 @@ class GrpcTier(Tier):
             stream.cancel()
             raise
         finally:
-            self._ended(err)
+            if admitted:
+                self._ended(err)
             if layered is not None:
                 for pos, blk in layered.done():
                     out[pos] = blk

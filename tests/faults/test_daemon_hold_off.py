@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from benchmarks.localdeploy import LocalDeployment
 from connectors.provision import DaemonSource, _daemon_root
 from kvtier.keys import Scope
 from kvtier.layout import KVLayout
+from kvtier.store.layer_sink import LayerSink
 from storage_backends.circuit_breaker import BreakerState
 from tests.helpers import SECRET, chain_blocks, wait_for
 from tests.integration.route_rig import daemon as daemon_process
@@ -21,11 +24,18 @@ DEADLINE_S = 0.5
 HOLD_OFF_S = 2.0
 
 
+class Layers(LayerSink):
+    """Counts the layers a read hands over (a worker's layer-by-layer load)."""
+
+    def take(self, index: int, positions: tuple[int, ...], rows: torch.Tensor | None) -> None:
+        pass
+
+
 def _source(dep: LocalDeployment, address: str, tmp_path: Path, hold_off_s: float) -> DaemonSource:
     tok = tmp_path / "engine.token"
     tok.write_text(dep.token("kvtier", "engine", roles=("engine",)))
     tok.chmod(0o600)
-    return DaemonSource(_daemon_root({"daemon": address, "daemon_token_file": str(tok), "data_plane": "tcp",
+    return DaemonSource(_daemon_root({"daemon": address, "daemon_token_file": str(tok), "data_plane": "auto",
                                       "daemon_timeout_s": DEADLINE_S, "daemon_hold_off_s": hold_off_s}), MID)
 
 
@@ -42,6 +52,9 @@ def test_a_frozen_daemon_costs_one_call_its_deadline_and_is_asked_again_once_it_
         assert list(clients[HOLD_OFF_S].put(blocks, degrade=False).stored) == keys
         for c in clients.values():
             assert c.lookup(keys).length == 3
+        sink = Layers(MID.num_layers)
+        assert all(b is not None for b in clients[HOLD_OFF_S].get_layers(keys, sink))
+        assert sink.delivered == MID.num_layers  # through the shared-memory region, layer by layer
         proc.freeze()
         try:
             for c in clients.values():
@@ -49,12 +62,15 @@ def test_a_frozen_daemon_costs_one_call_its_deadline_and_is_asked_again_once_it_
                     assert c.lookup(keys).length == 0  # a miss, never an exception
                 assert c.get(keys) == [None] * 3
                 assert c.put(blocks).rejected == keys
+            # A layer-by-layer read held off: nothing laid out, no layer handed over, all misses.
+            sink = Layers(MID.num_layers)
+            assert clients[HOLD_OFF_S].get_layers(keys, sink) == [None] * 3 and sink.delivered == 0
         finally:
             proc.thaw()
         # The control waited out every call's deadline; with the hold-off only the first call did,
         # the rest failed at once (the window outlasts the calls that follow the first).
         assert sources[0.0].errors() == {"timeout": 6, "dropped_put": 3}
-        assert sources[HOLD_OFF_S].errors() == {"timeout": 1, "held_off": 5, "dropped_put": 3}
+        assert sources[HOLD_OFF_S].errors() == {"timeout": 1, "held_off": 6, "dropped_put": 3}
         breaker = clients[HOLD_OFF_S].breaker
         assert breaker is not None and breaker.state is BreakerState.OPEN and breaker.opened_count == 1
         assert clients[0.0].breaker is None
