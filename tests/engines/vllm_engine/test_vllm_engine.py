@@ -17,7 +17,8 @@ tokens); (a) reuse with outputs equal to the engine's own; (b) a fresh engine pr
 from the daemon, and from LMDB after the daemon restarts; (c) tenants: another tenant's private
 prefix gives 0 external tokens, a public-registry document is shared; (d) forged and missing
 salts are served without kvtier and counted; (e) a daemon killed mid-run: requests still complete
-by recomputing, failures counted, the engine lives; (f) with vLLM's own prefix caching, local hits
+by recomputing, failures counted, the engine lives; frozen mid-run, only the first call waits its
+deadline; (f) with vLLM's own prefix caching, local hits
 and kvtier's hits add up; (g) the control: KV of another document stored under a prompt's keys is
 loaded, and the comparison fails, as it must; (h) records damaged on disk are refused, the request
 is served with the right output by recomputing, the blocks are saved again and hit next time.
@@ -412,6 +413,43 @@ def test_a_daemon_killed_mid_run_means_recompute_not_a_crash(world) -> None:
     sched = counters["scheduler"]
     assert sched.get("tier_error:unavailable", 0) + sched.get("tier_error:timeout", 0) >= 1, sched
     daemon.start()
+
+
+def test_a_daemon_frozen_mid_run_costs_one_lookup_its_deadline_not_every_request(world) -> None:
+    """(e) frozen: the daemon stops answering but keeps its connections (SIGSTOP). The first call
+    of each engine process waits out its deadline; the calls after it fail at once
+    (``kvtier.daemon_hold_off_s``, storage_backends/circuit_breaker.py), so the requests after the
+    first compute at once instead of each waiting the deadline; every output is the computed one."""
+    from tests.helpers import freeze
+
+    root, daemon, want = world
+    alice = daemon.dep.salt("acme", "alice")
+    if daemon.proc is None or daemon.proc.poll() is not None:
+        daemon.start()
+    assert daemon.proc is not None
+    frozen, go = root / "e2-first-done", root / "e2-go"
+    reqs = [{"tokens": P, "salt": alice, "after": str(frozen)},
+            {"tokens": P, "salt": alice, "before": str(go)},
+            {"tokens": X, "salt": alice},
+            {"tokens": X, "salt": alice}]
+    # The longest hold-off: every call after the first timeout, in this short run, is held off.
+    proc = start_engine(root, "run-e2", reqs, daemon.options(daemon_timeout_s=3, daemon_hold_off_s=8))
+    try:
+        with killed_on_failure(proc):
+            wait_for_file(frozen, proc)
+            freeze(daemon.proc.pid)
+            go.touch()
+            res, counters = finish(proc)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert [r["num_cached_tokens"] for r in res[1:]] == [0, 0, 0]
+    for r, name in zip(res, ("P", "P", "X", "X"), strict=True):
+        same_output(want[name], r, f"{name} with the daemon frozen")
+    sched = counters["scheduler"]
+    # One lookup waited the deadline (a probe after the window may add one more); the lookups of
+    # the later requests (X twice, and the driver's flushes) were held off.
+    assert 1 <= sched.get("tier_error:timeout", 0) <= 2, sched
+    assert sched.get("tier_error:held_off", 0) >= 2, sched
 
 
 @pytest.fixture(scope="module")
