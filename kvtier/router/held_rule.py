@@ -33,10 +33,12 @@ but this router (another router's requests for the same conversation, a document
 since). ``kvtier route --locate-every-request`` turns the rule off for such fleets. The filters
 never forget; as they fill, more requests read as possibly held and ask ``Locate``.
 
-Protocol: ``decide(up, digests, now)`` before ``Locate`` -> ``located(digests, answers)`` after
-one -> per attempt, ``sent(engine, digests)``; for a prompt whose token ids are known before the
-block size is (no daemon has answered yet) ``sent_tokens(engine, tokens, salt)``, digested once
-``block_tokens`` is given; for one without token ids ``sent_unknown(engine)``. Event-loop only.
+Protocol: ``decide(up, digests, now)`` before ``Locate`` -> ``located(digests, answers)`` after one
+(or, when no node answered within the request's budget, ``unlocated(up, digests, now)``: the
+engines priced by what they hold themselves) -> per attempt, ``sent(engine, digests)``; for a
+prompt whose token ids are known before the block size is (no daemon has answered yet)
+``sent_tokens(engine, tokens, salt)``, digested once ``block_tokens`` is given; for one without
+token ids ``sent_unknown(engine)``. Event-loop only.
 """
 
 from __future__ import annotations
