@@ -96,3 +96,13 @@ def freeze(pid: int, *, group: bool = False, timeout_s: float = 10.0) -> None:
         f"process {pid} not stopped {timeout_s} s after SIGSTOP"
     state = _state(pid, pid)
     assert state in ("T", "t"), f"process {pid} is {state or 'gone'} after SIGSTOP, not stopped"
+
+
+class ManualClock:
+    """A clock a test moves by hand (``clock.now += 5``): pass it where code takes ``clock=``."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -6,18 +6,11 @@ import pytest
 
 from kvtier.errors import ConfigError
 from storage_backends.circuit_breaker import BreakerState, CircuitBreaker
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import ManualClock
 
 
 def test_opens_after_consecutive_failures_only() -> None:
-    b = CircuitBreaker(3, 5.0, Clock())
+    b = CircuitBreaker(3, 5.0, ManualClock(100.0))
     for ok in (False, False, True, False, False):  # a success resets the count
         assert b.allow()
         b.record(ok)
@@ -27,7 +20,7 @@ def test_opens_after_consecutive_failures_only() -> None:
 
 
 def test_half_open_lets_one_probe_through_and_closes_on_success() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = CircuitBreaker(1, 5.0, clock)
     b.record(False)
     assert not b.allow()
@@ -40,7 +33,7 @@ def test_half_open_lets_one_probe_through_and_closes_on_success() -> None:
 
 
 def test_failed_probe_reopens_for_a_full_cooldown() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = CircuitBreaker(2, 5.0, clock)
     b.record(False)
     b.record(False)
@@ -55,7 +48,7 @@ def test_failed_probe_reopens_for_a_full_cooldown() -> None:
 
 
 def test_admit_names_the_probe() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = CircuitBreaker(1, 1.0, clock)
     assert b.admit() is BreakerState.CLOSED and b.retry_in_s() == 0.0
     b.record(False)
@@ -68,7 +61,7 @@ def test_admit_names_the_probe() -> None:
 
 
 def test_failed_probes_double_the_cooldown_up_to_its_limit_and_a_success_resets_it() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = CircuitBreaker(1, 1.0, clock, max_cooldown_s=3.0)
     b.record(False)
     waits = []
@@ -94,7 +87,7 @@ def test_failed_probes_double_the_cooldown_up_to_its_limit_and_a_success_resets_
 
 
 def test_a_call_from_before_the_opening_that_fails_leaves_the_window_and_one_that_answered_closes_it() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = CircuitBreaker(1, 2.0, clock, max_cooldown_s=8.0)
     assert b.allow() and b.allow()  # two calls out
     b.record(False)

@@ -7,21 +7,14 @@ from dataclasses import replace
 from kvtier.keys import BlockKey
 from kvtier.security.lookup_tickets import TICKET_TTL_S, LookupTickets
 from kvtier.store.lookup import Lookup, TierRun
+from tests.helpers import ManualClock
 
 KEYS = tuple(BlockKey(bytes([i]) * 40) for i in range(4))
 FOUND = Lookup((TierRun(0, "memory", 0, 3), TierRun(1, "lmdb", 3, 1)), 6, KEYS)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_ticket_holds_for_its_caller_keys_and_runs_until_it_expires() -> None:
-    clock = Clock()
+    clock = ManualClock()
     tickets = LookupTickets(clock=clock)
     t = tickets.issue("acme/alice", FOUND)
     assert tickets.verify("acme/alice", FOUND, t)

@@ -32,29 +32,21 @@ from kvtier.security.tokens import TokenVerifier
 from kvtier.server.auth import hmac_key_from_file
 from kvtier.server.daemon import Daemon
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from tests.helpers import SECRET, SMALL, chain_blocks
+from tests.helpers import SECRET, SMALL, ManualClock, chain_blocks
 
 KEY = b"k" * 32
 
 
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 # -- the salt itself, on a clock the test moves ---------------------------------------------------
 def test_a_salt_expires_on_its_verifiers_clock_and_lives_no_longer_than_allowed() -> None:
-    clock = Clock(1_700_000_000.0)
+    clock = ManualClock(1_700_000_000.0)
     mapper = HmacSaltMapper(KEY, max_lifetime_s=3600, clock=clock)
     salt = mint_salt(KEY, "acme", "alice", ttl_s=600, now=clock())
     p = mapper.principal(salt)
     assert p is not None and p.id == "acme/alice" and p.credential_id == salt_id(salt)
-    clock.t += 600 + SALT_LEEWAY_S - 1  # within the leeway for clock skew
+    clock.now += 600 + SALT_LEEWAY_S - 1  # within the leeway for clock skew
     assert mapper.principal(salt) == p
-    clock.t += 2
+    clock.now += 2
     with pytest.raises(AuthError, match="expired"):
         mapper.principal(salt)
     # Longer than the verifier allows: refused outright, even while fresh.
@@ -78,7 +70,7 @@ def test_a_salt_without_expiry_is_refused_with_a_clear_error() -> None:
 
 
 def test_tampering_with_the_time_or_the_id_breaks_the_mac() -> None:
-    clock = Clock(1_700_000_000.0)
+    clock = ManualClock(1_700_000_000.0)
     salt = mint_salt(KEY, "acme", "alice", ttl_s=60, now=clock())
     prefix, tenant, user, sid, iat, exp, mac = salt.split(":")
     mapper = HmacSaltMapper(KEY, clock=clock)

@@ -37,7 +37,7 @@ from kvtier.server.daemon import Daemon
 from kvtier.server.limits import ByteBudget, ConcurrencyLimit, DeadlineReaper
 from kvtier.server.observability import ServerMetrics
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from tests.helpers import SECRET
+from tests.helpers import SECRET, ManualClock
 
 
 def secret_file(path: Path, data: bytes, mode: int = 0o600) -> str:
@@ -75,32 +75,24 @@ def test_ed25519_keys(tmp_path: Path) -> None:
         ed25519_verify_key_from_file(str(tmp_path / "bad.pub"))
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_gate_authentication(tmp_path: Path) -> None:
     key = hmac_key_from_file(secret_file(tmp_path / "k", os.urandom(40)))
-    clock = FakeClock()
+    clock = ManualClock(1_000_000.0)
     policy = Policy(DomainDeriver(SECRET))
     reaper = DeadlineReaper()
     gate = CallGate(TokenVerifier([key], clock=clock), policy, ByteBudget(10, 10), ConcurrencyLimit(1),
                     GateOptions(5.0, ServerMetrics(), reaper))
     try:
-        token = mint(key, MintRequest(Principal("acme", "alice"), 60), now=clock.t)
+        token = mint(key, MintRequest(Principal("acme", "alice"), 60), now=clock.now)
         md = (("authorization", f"Bearer {token}"),)
         assert gate.authenticate(md)[1].id == "acme/alice"
         for bad in [(), (("authorization", token),), (("authorization", "Bearer x.y.z"),)]:
             with pytest.raises(AuthError):
                 gate.authenticate(bad)
-        clock.t += 3600
+        clock.now += 3600
         with pytest.raises(AuthError, match="expired"):
             gate.authenticate(md)
-        clock.t -= 3600
+        clock.now -= 3600
         policy.revoke("acme/alice")
         with pytest.raises(AccessDenied, match="revoked"):
             gate.authenticate(md)
