@@ -288,12 +288,12 @@ def test_a_slow_lookup_is_answered_at_a_later_step_and_holds_up_no_other_request
         sched.request_finished(gone, [])
         release.set()
         assert matched_tokens(sched, slow, 0) == (4 * BLOCK, False)  # the answer, once it is there
-        assert sched.stats["lookup_deferred"] >= 3 and len(sched._lookups) == 0
+        assert sched.stats["lookup_deferred"] >= 3 and len(sched.scheduler_side.lookups) == 0
     finally:
         release.set()
     # Control: with kvtier.lookup_async off, the step waits for the lookup and answers at once.
     blocking = make_engine(vllm_config(salt_key_file, lookup_async=False)).scheduler
-    assert blocking._lookups is None
+    assert blocking.scheduler_side.lookups is None
     assert blocking.get_num_new_matched_tokens(request("r6", tokens, salt), 0) == (4 * BLOCK, False)
 
 
@@ -417,7 +417,7 @@ def test_async_load_reports_through_get_finished(salt_key_file: str) -> None:
     assert res.load_async and res.matched == 3 * BLOCK
     finished = res.finished_recving or set()
     if "r2" not in finished:  # the load thread may still run: the next step reports it
-        eng.worker._load_thread.join()
+        eng.worker.worker_side._load_thread.join()
         _, later = eng.worker.get_finished(set())
         finished |= later or set()
     assert finished == {"r2"}
@@ -483,7 +483,7 @@ def test_chunked_prefill_saves_each_block_once(salt_key_file: str) -> None:
     # Control: keys derived from scratch (another request, same tokens) find all four blocks.
     assert matched_tokens(eng.scheduler, request("r2", tokens, salt), 0) == (4 * BLOCK, False)
     w.get_finished({"r1"})
-    assert "r1" not in w._chains
+    assert "r1" not in w.worker_side._chains
 
 
 def test_wrong_paged_kv_shape_is_refused(salt_key_file: str) -> None:
@@ -509,9 +509,9 @@ def test_pages_move_through_the_transfer_engine_where_the_layout_allows(salt_key
     """Layouts whose pages are one contiguous [H, N, C] run go through kvtier's TransferEngine
     (staging, events); the others through torch indexing, said in the worker's counters."""
     direct = make_engine(vllm_config(salt_key_file), KVCacheLayout.BLHNC)
-    assert direct.worker.stats["pages_direct"] == 1 and direct.worker._paged.direct
+    assert direct.worker.stats["pages_direct"] == 1 and direct.worker.worker_side._paged.direct
     other = make_engine(vllm_config(salt_key_file), KVCacheLayout.LBNHC)
-    assert other.worker.stats["pages_by_torch_indexing"] == 1 and not other.worker._paged.direct
+    assert other.worker.stats["pages_by_torch_indexing"] == 1 and not other.worker.worker_side._paged.direct
 
 
 def test_a_load_larger_than_one_staging_buffer_goes_in_batches() -> None:
