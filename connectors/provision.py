@@ -331,7 +331,8 @@ def _seconds(cfg: Mapping[str, Any], name: str, default: float, most: float, *, 
 
 def _daemon_root(cfg: Mapping[str, Any]) -> GrpcTier:
     from kvtier.security.secrets import read_public_file, read_secret_file
-    from storage_backends.grpc import MAX_HOLD_OFF_S, GrpcTier, GrpcTierConfig
+    from storage_backends.grpc import GrpcTier, GrpcTierConfig
+    from storage_backends.grpc_config import MAX_HOLD_OFF_S
 
     address = cfg.get("daemon")
     token_file = cfg.get("daemon_token_file")

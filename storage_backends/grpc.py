@@ -13,15 +13,18 @@ raise the matching kvtier exception: retrying cannot fix them. Administrative ca
 delete_scope, keys_in_scope, usage, purge, revoke, stats) raise on every failure.
 Every block is verified end to end: the daemon sends the xxh3 of each payload and a block whose
 bytes do not match is a counted miss, never returned.
+
+Beside it: how to reach the daemon (``grpc_config.GrpcTierConfig``), the channel every client on
+it shares with its shared-memory session and breaker (``grpc_channel.DaemonChannel``), the Put's
+messages (``grpc_put_frames``), and a router's Locate client for an event loop (``grpc_locate``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,7 +32,6 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-import xxhash
 
 from kvtier.block import Block, BlockMeta
 from kvtier.dataplane.layered_read import LayerMajorShare, PlacedShare
@@ -39,7 +41,6 @@ from kvtier.dataplane.slices import Slice, SliceLease
 from kvtier.dataplane.typed_views import TypedViews
 from kvtier.errors import (
     AccessDenied,
-    ConfigError,
     DataPlaneUnavailable,
     DeadlineExceeded,
     HeldOff,
@@ -54,27 +55,23 @@ from kvtier.errors import (
 from kvtier.keys import BlockKey, Scope, ScopeDomain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
-from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
-from kvtier.rpc.checksum import copy_hashed
-from kvtier.rpc.names import AUTH_METADATA, DURABLE_METADATA, REGION_METADATA, SALT_METADATA, SERVICE_NAME
+from kvtier.rpc.names import AUTH_METADATA, DURABLE_METADATA, REGION_METADATA, SALT_METADATA
 from kvtier.rpc.status import error_from
 from kvtier.rpc.wire import (
     BlockAssembler,
-    ChunkFrame,
     ResponseSlots,
     carries_chunk,
-    decode_message,
     describes_placed,
-    encode_frame,
-    meta_to_msg,
-    pack_blocks,
 )
 from kvtier.security.domain_table import DomainTable, ScopeGrant
 from kvtier.store.layer_sink import LayerSink
 from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.pin_table import PinTable
 from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
-from storage_backends.circuit_breaker import BreakerState, CircuitBreaker
+from storage_backends.circuit_breaker import CircuitBreaker
+from storage_backends.grpc_channel import DaemonChannel
+from storage_backends.grpc_config import GrpcTierConfig
+from storage_backends.grpc_put_frames import inline_frames, placed_in, region_frames
 
 log = logging.getLogger("kvtier.daemon_client")
 
@@ -89,105 +86,6 @@ DEGRADED: tuple[tuple[type[KvtierError], str], ...] = (
 )
 
 
-TokenSource = str | Callable[[], str]
-
-#: The longest a client holds off an unreachable daemon between probes, and a probe's deadline.
-MAX_HOLD_OFF_S = 8.0
-PROBE_TIMEOUT_S = 1.0
-
-#: Region blocks described by one Put message (each description is ~200 bytes), and their payload.
-REGION_RUN = 512
-REGION_MESSAGE_BYTES = 4 << 20
-
-
-@dataclass(slots=True, frozen=True)
-class GrpcTierConfig:
-    """How to reach a daemon. ``token`` may be a callable so long-running engines can refresh it."""
-
-    target: str
-    token: TokenSource
-    #: PEM CA bundle that signed the daemon's certificate; None: plaintext (loopback, trusted nets).
-    tls_ca: bytes | None = None
-    #: PEM client certificate and key for mutual TLS.
-    tls_cert: bytes | None = None
-    tls_key: bytes | None = None
-    #: Expected name in the daemon's certificate when it differs from the target host.
-    tls_server_name: str | None = None
-    chunk_bytes: int = 1 << 20
-    max_message_bytes: int = 64 << 20
-    #: Deadline of each call (a whole Get or Put stream included).
-    timeout_s: float = 30.0
-    #: Attempts of a call that failed with UNAVAILABLE before any response arrived (gRPC retries).
-    max_attempts: int = 3
-    name: str = "daemon"
-    #: A request salt this client acts for (an engine credential's calls: see kvtier.security.salts).
-    salt: str | None = None
-    #: Payload path: ``auto`` (shared memory with a daemon on this node when it can be had, else
-    #: inline gRPC), ``shm`` (required), ``tcp`` (always inline). See kvtier/dataplane/session.py.
-    data_plane: str = "auto"
-    #: Size of the shared-memory region (the daemon may cap it); blocks beyond a call's share go inline.
-    region_bytes: int = 256 << 20
-    #: Every Put returns only once its blocks are on the daemon's disk tier (else: once in its RAM).
-    durable: bool = False
-    #: After a call found the daemon unreachable (no answer within its deadline, or no
-    #: connection), every call on the channel fails at once (HeldOff) for this long; then one
-    #: probes, with a deadline of at most PROBE_TIMEOUT_S, and each probe that fails doubles the
-    #: wait, up to MAX_HOLD_OFF_S. 0: never (each call waits its own deadline).
-    hold_off_s: float = 0.0
-
-    def validate(self) -> None:
-        if not self.target or ":" not in self.target:
-            raise ConfigError(f"GrpcTierConfig.target: expected host:port, got {self.target!r}")
-        if not 4096 <= self.chunk_bytes <= self.max_message_bytes - (64 << 10):
-            raise ConfigError("GrpcTierConfig.chunk_bytes: must be >= 4096 and 64 KiB below max_message_bytes")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("GrpcTierConfig.tls_cert: tls_cert and tls_key go together")
-        if self.tls_cert is not None and self.tls_ca is None:
-            raise ConfigError("GrpcTierConfig.tls_ca: mutual TLS needs the daemon's CA too")
-        if not self.timeout_s > 0:
-            raise ConfigError("GrpcTierConfig.timeout_s must be positive")
-        if not 1 <= self.max_attempts <= 5:
-            raise ConfigError("GrpcTierConfig.max_attempts must be in [1, 5]")
-        if not 0 <= self.hold_off_s <= MAX_HOLD_OFF_S:
-            raise ConfigError(f"GrpcTierConfig.hold_off_s must be in [0, {MAX_HOLD_OFF_S:g}] seconds")
-        if self.data_plane not in DataPlaneSession.MODES:
-            raise ConfigError(f"GrpcTierConfig.data_plane must be one of {DataPlaneSession.MODES}")
-        if not 1 << 20 <= self.region_bytes <= 1 << 40:
-            raise ConfigError("GrpcTierConfig.region_bytes must be between 1 MiB and 1 TiB")
-
-    def channel(self) -> grpc.Channel:
-        options, creds = self._channel_args()
-        if creds is None:
-            return grpc.insecure_channel(self.target, options=options)
-        return grpc.secure_channel(self.target, creds, options=options)
-
-    def aio_channel(self) -> grpc.aio.Channel:
-        """The same channel for an asyncio loop (a router's Locate client); open it on that loop."""
-        options, creds = self._channel_args()
-        if creds is None:
-            return grpc.aio.insecure_channel(self.target, options=options)
-        return grpc.aio.secure_channel(self.target, creds, options=options)
-
-    def _channel_args(self) -> tuple[list[tuple[str, Any]], grpc.ChannelCredentials | None]:
-        options: list[tuple[str, Any]] = [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-        ]
-        if self.max_attempts > 1:  # gRPC's retry policy needs at least two attempts
-            retry = {"methodConfig": [{
-                "name": [{"service": SERVICE_NAME}],
-                "retryPolicy": {"maxAttempts": self.max_attempts, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
-                                "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
-            }]}
-            options += [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(retry))]
-        else:
-            options.append(("grpc.enable_retries", 0))
-        if self.tls_server_name:
-            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
-        if self.tls_ca is None:
-            return options, None
-        return options, grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
 
 
 @dataclass(slots=True, frozen=True)
@@ -218,15 +116,13 @@ class GrpcTier(Tier):
 
     shared_across_processes = True
 
-    def __init__(self, config: GrpcTierConfig, *, channel: _Channel | None = None) -> None:
+    def __init__(self, config: GrpcTierConfig, *, channel: DaemonChannel | None = None) -> None:
         config.validate()
         self.name = config.name
         super().__init__()
         self.config = config
         self._owns_channel = channel is None
-        self._ch = channel if channel is not None else _Channel(
-            config.channel(), DataPlaneSession(config.data_plane, config.region_bytes),
-            CircuitBreaker(1, config.hold_off_s, max_cooldown_s=MAX_HOLD_OFF_S) if config.hold_off_s else None)
+        self._ch = channel if channel is not None else DaemonChannel.open(config)
         self._stub, self._get, self._put = self._ch.stub, self._ch.get, self._ch.put
         self._lock = threading.Lock()
         self._domains: DomainTable | None = None
@@ -287,39 +183,11 @@ class GrpcTier(Tier):
         """This channel's breaker (``hold_off_s``), shared by every client on it; None: off."""
         return self._ch.breaker
 
-    def _admit(self, timeout_s: float) -> float:
-        """The deadline of a call the breaker lets go (a probe's at most PROBE_TIMEOUT_S: a daemon
-        that answers at all answers well within it); HeldOff when it holds calls off."""
-        b = self._ch.breaker
-        if b is None:
-            return timeout_s
-        state = b.admit()
-        if state is None:
-            wait = b.retry_in_s()
-            raise HeldOff(f"daemon {self.config.target}: not asked, a call found it unreachable; "
-                          + (f"a probe goes in {wait:.1f} s" if wait else "a probe is out"))
-        return min(timeout_s, PROBE_TIMEOUT_S) if state is BreakerState.HALF_OPEN else timeout_s
-
-    def _ended(self, err: KvtierError | None) -> None:
-        """How an admitted call ended (``err`` None: answered). Only ``TierUnavailable`` counts
-        against the daemon: any answer, a refusal included, shows it is there."""
-        b = self._ch.breaker
-        if b is None:
-            return
-        before = b.state
-        b.record(not isinstance(err, TierUnavailable))
-        after = b.state
-        if before is BreakerState.CLOSED and after is BreakerState.OPEN:
-            log.warning("daemon %s: %s; calls fail at once for %.1f s, then one probes",
-                        self.config.target, err, b.retry_in_s())
-        elif before is not BreakerState.CLOSED and after is BreakerState.CLOSED:
-            log.warning("daemon %s answers again: calls go through", self.config.target)
-
     def _unary(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         """One unary call (``timeout_s``: the config's by default, or less for the breaker's
         probe); every failure becomes the matching kvtier exception (HeldOff: not sent)."""
         fn = getattr(self._stub, method)
-        deadline = self._admit(self.config.timeout_s if timeout_s is None else timeout_s)
+        deadline = self._ch.admit(self.config.timeout_s if timeout_s is None else timeout_s)
         t0 = time.perf_counter()
         err: KvtierError | None = None
         try:
@@ -328,7 +196,7 @@ class GrpcTier(Tier):
             err = error_from(exc)
             raise err from None
         finally:
-            self._ended(err)
+            self._ch.ended(err)
             self.metrics.observe(method.lower(), time.perf_counter() - t0)
 
     def _degrade(self, exc: KvtierError) -> bool:
@@ -575,7 +443,7 @@ class GrpcTier(Tier):
         err: KvtierError | None = None
         admitted = False
         try:
-            deadline = self._admit(self.config.timeout_s)
+            deadline = self._ch.admit(self.config.timeout_s)
             admitted = True
             stream = self._get(request, timeout=deadline, metadata=self._metadata(named))
             for msg in stream:
@@ -619,7 +487,7 @@ class GrpcTier(Tier):
             raise
         finally:
             if admitted:
-                self._ended(err)
+                self._ch.ended(err)
             if layered is not None:
                 for pos, blk in layered.done():
                     out[pos] = blk
@@ -645,7 +513,7 @@ class GrpcTier(Tier):
         t0 = time.perf_counter()
         link = self._link()
         try:
-            placed = {} if link is None else _placed(link, blocks)
+            placed = {} if link is None else placed_in(link, blocks)
             copied = sum(b.nbytes for i, b in enumerate(blocks) if i not in placed)
             with nullcontext(None) if link is None or not copied else link.slices.slice(copied) as share:
                 try:
@@ -671,8 +539,9 @@ class GrpcTier(Tier):
 
     def _put_call(self, blocks: Sequence[Block],
                   shm: tuple[SharedMemoryLink, Slice | None, dict[int, int]] | None) -> pb.PutResponse:
-        chunks = self._chunks(blocks) if shm is None else self._region_chunks(blocks, *shm)
-        deadline = self._admit(self.config.timeout_s)
+        chunks = (inline_frames(blocks, self.config.chunk_bytes) if shm is None
+                  else region_frames(blocks, *shm, self._ch.session, self.config.chunk_bytes))
+        deadline = self._ch.admit(self.config.timeout_s)
         err: KvtierError | None = None
         try:
             return self._put(chunks, timeout=deadline, metadata=self._put_metadata(None if shm is None else shm[0]))
@@ -680,58 +549,7 @@ class GrpcTier(Tier):
             err = error_from(exc)
             raise err from None
         finally:
-            self._ended(err)
-
-    def _chunks(self, blocks: Sequence[Block]) -> Iterator[ChunkFrame]:
-        # Payloads are read while streaming; Block guarantees a contiguous CPU-side view.
-        cpu = ((i, b if b.data.device.type == "cpu" else Block(b.meta, b.data.cpu())) for i, b in enumerate(blocks))
-        for msg, _done in pack_blocks(cpu, self.config.chunk_bytes):
-            yield msg
-
-    def _region_chunks(self, blocks: Sequence[Block], link: SharedMemoryLink, share: Slice | None,
-                       placed: dict[int, int]) -> Iterator[ChunkFrame]:
-        """Blocks copied into this call's share of the region, or named where they already lie in
-        it (``placed``: position -> offset), one small message per run of them, each with the xxh3
-        the daemon checks after copying it out; those that fit in neither, inline."""
-        cursor = start = 0 if share is None else share.offset
-        end = 0 if share is None else share.offset + share.nbytes
-        run: list[ChunkFrame] = []
-        sent = 0
-        in_place = 0
-        for i, b in enumerate(blocks):
-            n = b.nbytes
-            at = placed.get(i)
-            # A message per few MiB, so the daemon copies one message's blocks out while the next
-            # ones are copied in.
-            if run and (len(run) >= REGION_RUN or sent >= REGION_MESSAGE_BYTES
-                        or (at is None and cursor + n > end)):
-                run[0].more = run[1:]
-                yield run[0]
-                run, sent = [], 0
-            if at is not None:  # already in the region: hashed where it lies, not copied
-                checksum = xxhash.xxh3_64_intdigest(memoryview(link.region.window(at, n)))
-                in_place += n
-            elif cursor + n > end:
-                yield from self._chunks([b])
-                continue
-            else:
-                at = cursor
-                window = link.region.window(cursor, n)
-                if b.data.device.type == "cpu":
-                    checksum = copy_hashed(window, b.data.reshape(-1).view(torch.uint8).numpy())
-                else:
-                    # one DMA to pinned memory
-                    link.tensor[cursor : cursor + n].copy_(b.data.reshape(-1).view(torch.uint8))
-                    checksum = xxhash.xxh3_64_intdigest(memoryview(window))
-                cursor += n
-            run.append(ChunkFrame(i, meta_to_msg(b.meta), 0, b"", True, checksum, in_region=True, region_offset=at))
-            sent += n
-        if run:
-            run[0].more = run[1:]
-            yield run[0]
-        self._ch.session.moved("put", cursor - start)
-        if in_place:
-            self._ch.session.moved("put_in_place", in_place)
+            self._ch.ended(err)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         if not keys:
@@ -802,35 +620,7 @@ class GrpcTier(Tier):
 
     def close(self) -> None:
         if self._owns_channel:
-            self._ch.session.close()
-            self._ch.channel.close()
-
-
-def _placed(link: SharedMemoryLink, blocks: Sequence[Block]) -> dict[int, int]:
-    """Positions of the blocks that lie wholly in ``link``'s region, with their offsets."""
-    out = {}
-    for i, b in enumerate(blocks):
-        at = link.offset_of(b.data)
-        if at is not None:
-            out[i] = at
-    return out
-
-
-class _Channel:
-    """One channel to a daemon and its method stubs, shared by the clients acting for many salts."""
-
-    def __init__(self, channel: grpc.Channel, session: DataPlaneSession, breaker: CircuitBreaker | None) -> None:
-        self.channel = channel
-        #: The shared-memory region of this channel, used by every client on it.
-        self.session = session
-        #: Whether calls go to the daemon now: every client on the channel holds off together.
-        self.breaker = breaker
-        self.stub = pb_grpc.KvCacheStub(channel)
-        # Payload-carrying calls use the frame codec (one copy of each payload byte per side).
-        self.get = channel.unary_stream(f"/{SERVICE_NAME}/Get", request_serializer=pb.GetRequest.SerializeToString,
-                                        response_deserializer=decode_message)
-        self.put = channel.stream_unary(f"/{SERVICE_NAME}/Put", request_serializer=encode_frame,
-                                        response_deserializer=pb.PutResponse.FromString)
+            self._ch.close()
 
 
 # The router's Locate client (storage_backends/grpc_locate.py), for callers that reach this
