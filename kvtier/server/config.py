@@ -4,7 +4,8 @@ The schema is the dataclasses below: every field carries its documentation, and 
 where a type alone does not say what is allowed. ``load_config`` parses, applies environment
 overrides, checks types and ranges, then cross-field rules; every failure is a ConfigError whose
 message starts with the dotted field name (``tiers.memory.capacity_bytes: must be a positive
-integer``). ``field_table()`` lists every field for the operations guide.
+integer``). ``field_table()`` lists every field for the operations guide. Building the tree from
+a mapping and the environment, and walking it for documentation, is kvtier/server/config_tree.py.
 
 Relative paths are resolved against the directory of the config file, so a config and its key
 files can move together.
@@ -15,18 +16,14 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-import types
-import typing
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError
-
-ENV_PREFIX = "KVTIER_"
-ENV_SEP = "__"
+from kvtier.server.config_tree import FieldDoc, build, deep_copy, env_overrides, set_path, walk
 
 Check = Callable[[Any], str | None]
 """A field validator: returns a complaint (``must be ...``) or None when the value is fine."""
@@ -565,165 +562,20 @@ def load_config(path: str | os.PathLike[str] | None, *, env: Mapping[str, str] |
 def config_from_dict(
     raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None, base_dir: Path | None = None
 ) -> DaemonConfig:
-    data = _deep_copy(raw)
-    for dotted, value in _env_overrides(env or {}):
-        _set_path(data, dotted, value)
-    cfg = _build(DaemonConfig, data, "", base_dir or Path.cwd())
+    data = deep_copy(raw)
+    for dotted, value in env_overrides(env or {}):
+        set_path(data, dotted, value)
+    cfg = build(DaemonConfig, data, "", base_dir or Path.cwd())
     cfg.validate()
     return cfg
 
 
-class _EnvValue(str):
-    """A string that came from the environment: converted to the field's type when building.
-
-    ``var`` names the variable, so an error can say where a bad value came from.
-    """
-
-
-def _env_overrides(env: Mapping[str, str]) -> Iterator[tuple[list[str], _EnvValue]]:
-    for name in sorted(env):
-        if not name.startswith(ENV_PREFIX) or ENV_SEP not in name:
-            continue  # e.g. KVTIER_MASTER_KEY: not a config override
-        parts = name[len(ENV_PREFIX) :].lower().split(ENV_SEP)
-        if not all(parts):
-            raise ConfigError(f"{name}: malformed override name (expected KVTIER_<SECTION>__<KEY>)")
-        v = _EnvValue(env[name])
-        v.var = name
-        yield parts, v
-
-
-def _set_path(data: dict[str, Any], parts: list[str], value: Any) -> None:
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section (override {value.var})")
-        node = child
-    node[parts[-1]] = value
-
-
-def _deep_copy(v: Any) -> Any:
-    return {k: _deep_copy(x) for k, x in v.items()} if isinstance(v, Mapping) else v
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def _build(cls: type, data: Any, prefix: str, base: Path) -> Any:
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: must be a table (section), got {type(data).__name__}")
-    hints = _hints(cls)
-    known = {f.name for f in fields(cls)}
-    for k in data:
-        if k not in known:
-            raise ConfigError(f"{prefix}{k}: unknown field; known fields of {where}: {sorted(known)}")
-    kwargs: dict[str, Any] = {}
-    for f in fields(cls):
-        name = prefix + f.name
-        tp, optional = _unwrap_optional(hints[f.name])
-        if f.name not in data:
-            if is_dataclass(tp) and not optional:
-                kwargs[f.name] = _build(tp, {}, name + ".", base)
-            elif f.default is MISSING and f.default_factory is MISSING:
-                raise ConfigError(f"{name}: required")
-            continue
-        value = data[f.name]
-        if is_dataclass(tp):
-            kwargs[f.name] = _build(tp, value, name + ".", base)
-            continue
-        value = _convert(name, tp, optional, value)
-        if value is None:
-            kwargs[f.name] = None
-            continue
-        check = f.metadata.get("check")
-        complaint = check(value) if check else None
-        if complaint is not None:
-            raise ConfigError(f"{name}: {complaint}{_origin(data[f.name])}")
-        if f.metadata.get("kind") == "path":
-            value = str((base / value).resolve()) if not Path(value).is_absolute() else value
-        kwargs[f.name] = value
-    return cls(**kwargs)
-
-
-def _origin(value: Any) -> str:
-    return f" (from {value.var})" if isinstance(value, _EnvValue) else ""
-
-
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
-
-
-def _convert(name: str, tp: Any, optional: bool, value: Any) -> Any:
-    """Type-check a TOML value, or parse an environment string into the field's type."""
-    if isinstance(value, _EnvValue):
-        text = str(value).strip()
-        if optional and text == "":
-            return None
-        try:
-            if tp is bool:
-                return _BOOLS[text.lower()]
-            if tp is int:
-                return int(text, 0) if text.lower().startswith(("0x", "0o", "0b")) else int(text)
-            if tp is float:
-                return float(text)
-        except (KeyError, ValueError):
-            raise ConfigError(f"{name}: must be {_TYPE_WORDS[tp]}, got {text!r} (from {value.var})") from None
-        return str(value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and optional and value == "":
-        return None
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        hint = "must be a positive integer" if tp is int else f"must be {_TYPE_WORDS.get(tp, tp.__name__)}"
-        raise ConfigError(f"{name}: {hint}, got {type(value).__name__} {value!r}")
-    return value
-
-
-# -- documentation ---------------------------------------------------------------------------------
-@dataclass(slots=True, frozen=True)
-class FieldDoc:
-    """One row of the configuration reference."""
-
-    path: str
-    type: str
-    default: str
-    env: str
-    doc: str
-
-
+# -- documentation (kvtier/server/config_tree.py walks the schema) ----------------------------------
 def field_table() -> list[FieldDoc]:
     """Every configuration field, in file order, for docs/operations.md."""
     rows: list[FieldDoc] = []
-    _walk(DaemonConfig, "", rows)
+    walk(DaemonConfig, "", rows)
     return rows
-
-
-def _walk(cls: type, prefix: str, rows: list[FieldDoc]) -> None:
-    hints = _hints(cls)
-    for f in fields(cls):
-        tp, optional = _unwrap_optional(hints[f.name])
-        name = prefix + f.name
-        if is_dataclass(tp):
-            _walk(tp, name + ".", rows)
-            continue
-        if f.default is not MISSING:
-            default = "(unset)" if f.default is None else repr(f.default).lower() if tp is bool else repr(f.default)
-        else:
-            default = "(required)"
-        word = "path" if f.metadata.get("kind") == "path" else {int: "integer", float: "number", bool: "boolean",
-                                                                  str: "string"}[tp]
-        env = ENV_PREFIX + ENV_SEP.join(name.split(".")).upper()
-        rows.append(FieldDoc(name, word + (" (optional)" if optional else ""), default, env, f.metadata["doc"]))
 
 
 def field_table_markdown() -> str:
