@@ -26,28 +26,24 @@ same machine.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import progress, stop_process, table, write_json
+from benchmarks.common import progress, write_json
 from benchmarks.output_match import LOGPROB_TOLERANCE, first_step_diff
-from benchmarks.throttle import ThrottledTier
+from benchmarks.sweep_output import plot, print_table
+from benchmarks.sweep_tiers import SERVER_SECRET, TIER_SETUPS, BenchEnv, Link, TierSetup, backing
 from kvtier.block import Block
 from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.engine.prefill import PrefillRunner
@@ -61,14 +57,9 @@ from kvtier.planning.profiles import TierProfile
 from kvtier.store.lookup import Lookup, TierRun
 from kvtier.store.tier import Tier
 from kvtier.store.tiered_store import TieredStore
-from storage_backends.lmdb import LmdbTier
-from storage_backends.memory import MemoryTier
 
-#: Scope-domain secret of the run; the daemon setup is started with the same one, so the keys this
-#: process derives are the keys the daemon would hand out.
-_SERVER_SECRET = b"kvtier-bench-reload-vs-recompute-secret"
-_DERIVER = DomainDeriver(_SERVER_SECRET)
-_ROOT = Path(__file__).resolve().parent.parent
+#: Keys derived as the daemon setup's daemon derives them (benchmarks/sweep_tiers.py).
+_DERIVER = DomainDeriver(SERVER_SECRET)
 PLANS = ("full-reload", "full-recompute", "split", "pipelined")
 
 
@@ -105,224 +96,6 @@ QUICK = SweepConfig(
     setups=("memory", "lmdb+enc", "s3", "s3-link", "memory+s3-link"),
     repeat_budget_s=0.8,
 )
-
-
-# -- environment: servers, keys, directories ---------------------------------------------------------
-class BenchEnv:
-    """Resources shared by every setup of one run: a work directory, an embedded SeaweedFS (when the
-    S3 backend is available), a key ring for encrypted tiers (when kvtier.crypto is available).
-
-    Owned by ``run``; ``close`` stops the server and removes nothing the user passed in.
-    """
-
-    def __init__(self, workdir: Path, config: SweepConfig, want_s3: bool) -> None:
-        self.workdir = workdir
-        self.config = config
-        self.stack = ExitStack()
-        self.s3: Any = None
-        self.s3_error: str | None = None
-        self.sealer: Any = None
-        self.crypto_error: str | None = None
-        self.run_id = uuid.uuid4().hex[:8]
-        if want_s3:
-            self._start_s3()
-        self._make_sealer()
-
-    def _start_s3(self) -> None:
-        try:
-            from kvtier.server.embedded_s3 import EmbeddedS3
-        except ModuleNotFoundError as exc:
-            self.s3_error = f"S3 backend not available ({exc.name} missing)"
-            return
-        progress("starting embedded SeaweedFS (S3 on loopback)")
-        srv = EmbeddedS3(self.workdir / "seaweedfs", bucket="kvtier-bench", volume_size_limit_mb=256)
-        srv.start()
-        self.stack.callback(srv.kill)
-        self.s3 = srv
-
-    def _make_sealer(self) -> None:
-        try:
-            from kvtier.security.keyring import KeyRing
-            from kvtier.security.master_keys import LocalKeyProvider
-            from kvtier.security.wrapped_keys import LmdbWrappedKeyStore
-        except ModuleNotFoundError as exc:
-            self.crypto_error = f"encryption not available ({exc.name} missing)"
-            return
-        store = LmdbWrappedKeyStore(self.workdir / "keys", sync=False)
-        self.stack.callback(store.close)
-        self.sealer = KeyRing(LocalKeyProvider(os.urandom(32), source="benchmark"), store)
-
-    def s3_tier(self, *, encrypted: bool) -> Tier:
-        if self.s3 is None:
-            raise ConfigError(self.s3_error or "S3 was not started")
-        from storage_backends.s3 import S3Tier
-
-        prefix = f"rvr-{self.run_id}-{uuid.uuid4().hex[:6]}"
-        return S3Tier(self.s3.s3_config(prefix), sealer=self.sealer if encrypted else None)
-
-    def daemon_tier(self) -> Tier:
-        """A GrpcTier on a ``kvtier serve`` daemon started for this run (memory tier inside)."""
-        from benchmarks.localdeploy import LocalDeployment
-        from storage_backends.grpc import GrpcTier, GrpcTierConfig
-
-        dep = LocalDeployment(self.workdir / "daemon", server_secret=_SERVER_SECRET)
-        dep.write_config(memory_bytes=1 << 30, server={"log_level": "warning"})
-        ready = self.workdir / "daemon" / "ready.json"
-        progress("starting a kvtier daemon (gRPC on loopback)")
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
-                                 "--ready-file", str(ready)], cwd=_ROOT)
-        self.stack.callback(stop_process, proc)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
-            time.sleep(0.1)
-        address = json.loads(ready.read_text())["address"]
-        # The bench's own daemon: it publishes the prefixes and, between models, deletes them, which
-        # for public content takes an operator (docs/security.md 2.15).
-        token = dep.token("bench", "reload-vs-recompute", roles=("publish:public", "operator"), ttl_s=24 * 3600)
-        tier = GrpcTier(GrpcTierConfig(target=address, token=token, name="daemon"))
-        self.stack.callback(tier.close)
-        return tier
-
-    def link(self, inner: Tier, name: str) -> ThrottledTier:
-        c = self.config
-        return ThrottledTier(inner, bandwidth_Bps=c.link_bandwidth_Bps, latency_s=c.link_latency_s, name=name,
-                             throttle_puts=False)
-
-    def close(self) -> None:
-        self.stack.close()
-
-
-# -- tier setups (strategies) -----------------------------------------------------------------------
-class TierSetup(ABC):
-    """How one swept "tier" is built and where a case's prefix blocks are placed.
-
-    ``build`` returns the store's tiers fastest first; ``prepare`` stores a model's whole chain
-    once (directly into the backing tiers, not through an emulated link, and untimed); ``arrange``
-    makes the layout a case needs (most setups need nothing per case).
-    """
-
-    name: str
-    encrypted: bool = False
-    needs_s3: bool = False
-
-    def available(self, env: BenchEnv) -> str | None:
-        """None when this setup can run here, else the reason it is skipped."""
-        if self.needs_s3 and env.s3 is None:
-            return env.s3_error or "S3 not started"
-        if self.encrypted and env.sealer is None:
-            return env.crypto_error
-        return None
-
-    @abstractmethod
-    def build(self, env: BenchEnv) -> list[Tier]: ...
-
-    def prepare(self, store: TieredStore, blocks: Sequence[Block]) -> None:
-        _put_all(_backing(store.tiers[-1]), blocks)
-
-    def arrange(self, store: TieredStore, blocks: Sequence[Block], n: int) -> None:  # noqa: B027 - optional
-        """Per-case placement; the chain stored by ``prepare`` already serves every prefix length."""
-
-
-TIER_SETUPS: dict[str, TierSetup] = {}
-
-
-def register_setup(cls: type[TierSetup]) -> type[TierSetup]:
-    TIER_SETUPS[cls.name] = cls()
-    return cls
-
-
-@register_setup
-class MemorySetup(TierSetup):
-    name = "memory"
-
-    def build(self, env: BenchEnv) -> list[Tier]:
-        return [MemoryTier(4 << 30)]
-
-
-@register_setup
-class LmdbSetup(TierSetup):
-    name = "lmdb"
-
-    def build(self, env: BenchEnv) -> list[Tier]:
-        return [LmdbTier(env.workdir / f"lmdb-{self.name}", 8 << 30, sealer=env.sealer if self.encrypted else None,
-                         sync=False)]
-
-
-@register_setup
-class EncryptedLmdbSetup(LmdbSetup):
-    name = "lmdb+enc"
-    encrypted = True
-
-
-@register_setup
-class S3Setup(TierSetup):
-    name = "s3"
-    needs_s3 = True
-
-    def build(self, env: BenchEnv) -> list[Tier]:
-        return [env.s3_tier(encrypted=self.encrypted)]
-
-
-@register_setup
-class EncryptedS3Setup(S3Setup):
-    name = "s3+enc"
-    encrypted = True
-
-
-@register_setup
-class LinkedS3Setup(S3Setup):
-    """S3 behind an emulated network link (bandwidth cap + round trip), like a remote object store."""
-
-    name = "s3-link"
-
-    def build(self, env: BenchEnv) -> list[Tier]:
-        return [env.link(env.s3_tier(encrypted=False), "s3-link")]
-
-
-@register_setup
-class MemoryFrontLinkedS3Setup(LinkedS3Setup):
-    """The first half of each prefix in memory, the rest only behind the link: where ``split`` should win."""
-
-    name = "memory+s3-link"
-
-    def build(self, env: BenchEnv) -> list[Tier]:
-        return [MemoryTier(4 << 30), *super().build(env)]
-
-    def arrange(self, store: TieredStore, blocks: Sequence[Block], n: int) -> None:
-        front = store.tiers[0]
-        front.delete([b.key for b in blocks])
-        _put_all(front, blocks[: n // 2])
-
-
-@register_setup
-class DaemonSetup(TierSetup):
-    """A ``kvtier serve`` daemon on this host used as the tier (gRPC streams over loopback)."""
-
-    name = "daemon"
-
-    def available(self, env: BenchEnv) -> str | None:
-        try:
-            import benchmarks.localdeploy  # noqa: F401
-            import storage_backends.grpc  # noqa: F401
-        except ModuleNotFoundError as exc:
-            return f"daemon not available ({exc.name} missing)"
-        return None
-
-    def build(self, env: BenchEnv) -> list[Tier]:
-        return [env.daemon_tier()]
-
-
-def _backing(tier: Tier) -> Tier:
-    return tier.inner if isinstance(tier, ThrottledTier) else tier
-
-
-def _put_all(tier: Tier, blocks: Sequence[Block], batch: int = 256) -> None:
-    for i in range(0, len(blocks), batch):
-        res = tier.put(blocks[i : i + batch])
-        if res.rejected:
-            raise TierUnavailable(f"tier {tier.name!r} refused {len(res.rejected)} benchmark blocks (no room?)")
 
 
 # -- executing plans --------------------------------------------------------------------------------
@@ -542,7 +315,7 @@ def _workdir(path: str | None) -> Iterator[Path]:
 
 def sweep(config: SweepConfig, workdir: Path, *, want_s3: bool) -> dict[str, Any]:
     t_start = time.perf_counter()
-    env = BenchEnv(workdir, config, want_s3)
+    env = BenchEnv(workdir, Link(config.link_bandwidth_Bps, config.link_latency_s), want_s3)
     skipped: dict[str, str] = {}
     #: Each setup's tiers, built once; every model gets its own store over them (see below).
     tiers: dict[str, list[Tier]] = {}
@@ -581,7 +354,7 @@ def sweep(config: SweepConfig, workdir: Path, *, want_s3: bool) -> dict[str, Any
                              f"best {res.best:<14} regret {res.regret:6.3f}  "
                              + " ".join(f"{k}={v:.1f}ms" for k, v in res.measured_ms.items()))
                 for t in store.tiers:
-                    _backing(t).delete(mb.keys)
+                    backing(t).delete(mb.keys)
             engines[spec.name] = {"prefill": cm.prefill.describe(), "host_to_device": cm.host_to_device.describe()}
         return _report(config, cases, skipped, profiles, engines, decrypt, time.perf_counter() - t_start)
     finally:
@@ -729,146 +502,6 @@ def noise_report(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "max_regret_spread_across_sweeps": _spread([s["max_regret"] for s in per]),
         },
     }
-
-
-# -- output -----------------------------------------------------------------------------------------
-def print_table(result: dict[str, Any]) -> None:
-    """Every sweep's measurements, then the same cases side by side across sweeps (the noise)."""
-    runs = result["sweeps"]
-    for i, r in enumerate(runs):
-        print(f"\n== sweep {i + 1} of {len(runs)}")
-        _print_sweep(r)
-    noise = result["noise"]
-    if noise["cases"]:
-        _print_noise(noise)
-    s = result["summary"]
-    print("\nover all sweeps: median regret "
-          + " / ".join(f"{x:.4f}" for x in s["median_regret_per_sweep"])
-          + "  max regret " + " / ".join(f"{x:.4f}" for x in s["max_regret_per_sweep"])
-          + "  max beyond its noise band " + " / ".join(f"{x:.4f}" for x in s["max_regret_beyond_noise_per_sweep"])
-          + f"  (pooled: median {s['median_regret']:.4f}, max {s['max_regret']:.4f}, beyond noise "
-          f"{s['max_regret_beyond_noise']:.4f}; {s['seconds']:.0f} s)")
-
-
-def _print_sweep(result: dict[str, Any]) -> None:
-    rows = []
-    for c in result["cases"]:
-        m = c["measured_ms"]
-        rows.append({"model": c["model"], "prefix": c["prefix_tokens"], "tier": c["tier"],
-                     "reload": m.get("full-reload"), "recompute": m.get("full-recompute"), "split": m.get("split"),
-                     "pipelined": m.get("pipelined"), "runs": max(c["runs"].values()), "chosen": c["chosen"],
-                     "best": c["best"], "regret": c["regret"],
-                     "band": "[{:.3f}, {:.3f}]".format(*c["regret_band"])})
-    print(table(rows, [("model", "model", ""), ("prefix", "prefix", "d"), ("tier", "tier", ""),
-                       ("reload", "reload ms", ".1f"), ("recompute", "recompute ms", ".1f"),
-                       ("split", "split ms", ".1f"), ("pipelined", "pipelined ms", ".1f"),
-                       ("runs", "rounds", "d"), ("chosen", "chosen", ""), ("best", "best", ""),
-                       ("regret", "regret", ".3f"), ("band", "noise band", "")]))
-    s = result["summary"]
-    print(f"\ncases {s['cases']}  median regret {s['median_regret']:.4f}  max regret {s['max_regret']:.4f}  "
-          f"max beyond its noise band {s['max_regret_beyond_noise']:.4f}  "
-          f"chosen = best in {s['chosen_is_best']}  ({s['seconds']:.0f} s)")
-    for m in s["misses"]:
-        print(f"  miss: {m['model']} {m['prefix_tokens']} {m['tier']}: chose {m['chosen']}, best {m['best']}, "
-              f"regret {m['regret']:.3f} (band {m['regret_band'][0]:.3f} - {m['regret_band'][1]:.3f})")
-    if s["mixed_plan_wins"]:
-        print("split/pipelined measured best in:")
-        for w in s["mixed_plan_wins"]:
-            print(f"  {w['model']:<7} {w['prefix_tokens']:>6} {w['tier']:<15} {w['plan']:<10} "
-                  f"{100 * w['gain_vs_best_pure']:.1f}% faster than the better pure plan")
-    if result["skipped_setups"]:
-        print("skipped: " + "; ".join(f"{k}: {v}" for k, v in result["skipped_setups"].items()))
-
-
-def _print_noise(noise: dict[str, Any]) -> None:
-    print("\n== noise: the same case across sweeps (spread = max - min; time spread = slowest / fastest - 1)")
-    rows = [{"model": c["model"], "prefix": c["prefix_tokens"], "tier": c["tier"],
-             "regrets": " / ".join(f"{r:.3f}" for r in c["regret"]), "spread": c["regret_spread"],
-             "chosen": " / ".join(c["chosen"]), "best": " / ".join(c["best"]),
-             "time": 100 * c["max_time_spread"]} for c in noise["cases"]]
-    print(table(rows, [("model", "model", ""), ("prefix", "prefix", "d"), ("tier", "tier", ""),
-                       ("regrets", "regret per sweep", ""), ("spread", "regret spread", ".3f"),
-                       ("chosen", "chosen", ""), ("best", "best", ""), ("time", "max plan time spread %", ".1f")]))
-    s = noise["summary"]
-    print(f"\nregret spread: median {s['median_regret_spread']:.4f}, max {s['max_regret_spread']:.4f}; "
-          f"plan time spread: median {100 * s['median_time_spread']:.1f} %, max {100 * s['max_time_spread']:.1f} %; "
-          f"same choice in {s['same_choice']} / {s['cases']}, same best in {s['same_best']} / {s['cases']}; "
-          f"spread of the summary figures across sweeps: median regret {s['median_regret_spread_across_sweeps']:.4f}, "
-          f"max regret {s['max_regret_spread_across_sweeps']:.4f}")
-
-
-def crossover(xs: Sequence[float], a: Sequence[float], b: Sequence[float]) -> float | None:
-    """First prefix length where curve ``a`` drops below ``b`` (log-log interpolation), if any."""
-    for i in range(1, len(xs)):
-        d0 = math.log(a[i - 1]) - math.log(b[i - 1])
-        d1 = math.log(a[i]) - math.log(b[i])
-        if d0 > 0 >= d1:
-            f = d0 / (d0 - d1)
-            return math.exp(math.log(xs[i - 1]) + f * (math.log(xs[i]) - math.log(xs[i - 1])))
-    return None
-
-
-def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # The curves are the first sweep's measurements; the title carries every sweep's regret.
-    cases = result["sweeps"][0]["cases"]
-    models = list(dict.fromkeys(c["model"] for c in cases))
-    tiers = list(dict.fromkeys(c["tier"] for c in cases))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
-    colors = plt.get_cmap("tab10")
-    for ax, model in zip(axes[0], models, strict=True):
-        mine = [c for c in cases if c["model"] == model]
-        xs = sorted({c["prefix_tokens"] for c in mine})
-        recompute = [statistics.median(c["measured_ms"]["full-recompute"] for c in mine if c["prefix_tokens"] == x)
-                     for x in xs]
-        ax.plot(xs, recompute, color="black", lw=2.5, label="recompute (all tiers)")
-        for ti, tier in enumerate(tiers):
-            pts = sorted((c["prefix_tokens"], c["measured_ms"]["full-reload"]) for c in mine if c["tier"] == tier)
-            if not pts:
-                continue
-            tx, ty = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(tx, ty, marker="o", ms=3, color=colors(ti), label=f"reload: {tier}")
-            rc = [recompute[xs.index(x)] for x in tx]
-            x_cross = crossover(tx, ty, rc)  # where reload becomes cheaper than recompute
-            if x_cross is not None:
-                yi = math.exp(_interp_log(tx, ty, x_cross))
-                ax.plot([x_cross], [yi], marker="X", ms=11, color=colors(ti), mec="black")
-                # Stagger labels by tier: crossovers of similar tiers land close together.
-                ax.annotate(f"{x_cross:,.0f}", (x_cross, yi), textcoords="offset points",
-                            xytext=(6, -12 - 8 * (ti % 3)), fontsize=7, color=colors(ti))
-            wins = [c for c in mine if c["tier"] == tier and c["best"] in ("split", "pipelined")]
-            for c in wins:
-                ax.plot([c["prefix_tokens"]], [c["measured_ms"][c["best"]]], marker="*", ms=9, color=colors(ti),
-                        mec="black", mew=0.5, ls="none")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(f"{model}: time to first token")
-        ax.set_xlabel("cached prefix (tokens)")
-        ax.set_ylabel("ms (measured)")
-        ax.grid(True, which="both", alpha=0.25)
-    axes[0][0].legend(fontsize=7, loc="upper left")
-    s = result["summary"]
-    per_sweep = ", ".join(f"{m:.3f} / {x:.3f}" for m, x in zip(s["median_regret_per_sweep"],
-                                                               s["max_regret_per_sweep"], strict=True))
-    fig.suptitle(f"reload vs recompute, sweep 1 of {s['sweeps']} (X: crossover, *: split/pipelined best) - "
-                 f"median / max regret per sweep: {per_sweep} over {s['cases_per_sweep']} cases", fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    progress(f"wrote {path}")
-
-
-def _interp_log(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    for i in range(1, len(xs)):
-        if xs[i - 1] <= x <= xs[i]:
-            f = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
-            return math.log(ys[i - 1]) + f * (math.log(ys[i]) - math.log(ys[i - 1]))
-    return math.log(ys[-1])
 
 
 # -- CLI --------------------------------------------------------------------------------------------

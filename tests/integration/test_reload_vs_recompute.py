@@ -11,6 +11,7 @@ import torch
 
 from benchmarks import reload_vs_recompute as rvr
 from benchmarks.output_match import LOGPROB_TOLERANCE
+from benchmarks.sweep_output import crossover
 from benchmarks.throttle import ThrottledTier
 from kvtier.block import Block
 from kvtier.cli.main import main
@@ -150,9 +151,9 @@ def test_crossover_is_where_reload_gets_cheaper() -> None:
     xs = [100, 1000, 10000]
     recompute = [1.0, 10.0, 1000.0]
     reload = [5.0, 50.0, 500.0]
-    x = rvr.crossover(xs, reload, recompute)
+    x = crossover(xs, reload, recompute)
     assert x is not None and 1000 < x < 10000
-    assert rvr.crossover(xs, recompute, reload) is None  # recompute never gets cheaper again
+    assert crossover(xs, recompute, reload) is None  # recompute never gets cheaper again
 
 
 @pytest.mark.parametrize(
