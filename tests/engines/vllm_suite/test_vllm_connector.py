@@ -678,7 +678,7 @@ def test_prom_metrics_count_events_per_engine_role_and_event(salt_key_file: str)
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
-    from benchmarks.vllm_bench import EVENTS_METRIC, parse_connector_counters
+    from benchmarks.vllm_server import EVENTS_METRIC, parse_connector_counters
     from connectors.vllm_stats import EVENTS_METRIC as REGISTERED
     from connectors.vllm_stats import KvtierPromMetrics
 
