@@ -119,6 +119,23 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(30)
 
 
+def wait_ready_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 120.0, *,
+                    log: Path | None = None) -> str:
+    """The content of the file ``proc`` writes once it is ready (``kvtier serve --ready-file``, a
+    port file), as soon as it has any; TierUnavailable when ``proc`` exits first or the deadline
+    passes (``what`` names it; ``log``: its log, whose end the error carries)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists() and path.stat().st_size:
+            return path.read_text()
+        if proc.poll() is not None:
+            tail = f":\n{log.read_text(errors='replace')[-2000:]}" if log is not None and log.exists() else ""
+            raise TierUnavailable(f"{what} exited with {proc.returncode} before it was ready{tail}")
+        if time.monotonic() > deadline:
+            raise TierUnavailable(f"{what} not ready after {timeout_s:.0f} s" + (f" (log: {log})" if log else ""))
+        time.sleep(0.05)
+
+
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float, poll_s: float = 1.0) -> None:
     """Poll ``url`` until it answers 200; TierUnavailable when ``proc`` exits first or the deadline
     passes (``what`` names it, with where to look)."""

@@ -33,7 +33,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, table, write_json
+from benchmarks.common import progress, table, wait_ready_file, write_json
 from kvtier.errors import ConfigError, KvtierError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,16 +357,6 @@ def raw_server_main(port_file: str, chunk_bytes: int, max_message_bytes: int) ->
 
 
 # -- orchestration --------------------------------------------------------------------------------
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout: float = 120.0) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists() and path.stat().st_size:
-            return path.read_text()
-        if proc.poll() is not None:
-            raise KvtierError(f"{what} exited with {proc.returncode} before it was ready")
-        time.sleep(0.05)
-    raise KvtierError(f"{what} not ready after {timeout:.0f}s")
-
 
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
@@ -412,8 +402,8 @@ def run(args: argparse.Namespace) -> int:
                                            "raw_server_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
                                            str(raw_port), str(plan.chunk_bytes),
                                            str(max(64 << 20, 2 * plan.chunk_bytes))], cwd=ROOT))
-            address = json.loads(_wait_file(ready, procs[0], "daemon"))["address"]
-            raw_address = f"127.0.0.1:{_wait_file(raw_port, procs[1], 'raw server')}"
+            address = json.loads(wait_ready_file(ready, procs[0], "daemon"))["address"]
+            raw_address = f"127.0.0.1:{wait_ready_file(raw_port, procs[1], 'raw server')}"
             plan = Plan(**{**asdict(plan), "address": address, "raw_address": raw_address,
                            "token": dep.token("bench", "loadgen", roles=("publish:public",), ttl_s=3600 + seconds)})
             result = _measure(plan, clients, seconds, workers, tput_s)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks.common import progress, stop_process, table, write_json
+from benchmarks.common import progress, stop_process, table, wait_ready_file, write_json
 from benchmarks.output_match import LOGPROB_TOLERANCE, first_step_diff
 from benchmarks.progress import advance
 from connectors.daemon_cache import DaemonCache
@@ -52,7 +52,7 @@ from kvtier.cache.kv_cache import KVCache, RequestSegment
 from kvtier.cache.prefix_cache import PrefixCache
 from kvtier.engine.models import ModelSpec, model_spec
 from kvtier.engine.prefill import PastBlock, PrefillResult, PrefillRunner, PrefillTiming
-from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.errors import ConfigError
 from kvtier.keys import DomainDeriver, ScopeKind
 from kvtier.layout import KVLayout
 from kvtier.planning.cost_model import CostModel
@@ -429,12 +429,7 @@ def start_daemon(stack: ExitStack, workdir: Path, layout: KVLayout, *, memory_by
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
                              "--ready-file", str(ready)])
     stack.callback(stop_process, proc)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
-        time.sleep(0.1)
-    address = json.loads(ready.read_text())["address"]
+    address = json.loads(wait_ready_file(ready, proc, "kvtier serve", 60))["address"]
     return daemon_source(stack, address,
                          lambda p: dep.token(p.tenant, p.user, roles=tuple(sorted(p.roles)), ttl_s=3600), layout,
                          observer=observer)

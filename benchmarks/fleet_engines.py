@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import stop_group, stop_process
+from benchmarks.common import stop_group, stop_process, wait_ready_file
 from benchmarks.fleet_client import TOP_LOGPROBS, stream_completion
 from benchmarks.progress import say
 from benchmarks.vllm_server import (
@@ -190,13 +190,8 @@ class Fleet:
         node.daemon = subprocess.Popen([self.daemon_python, "-m", "kvtier.cli", "serve", "--config",
                                         str(node.dep.config_file), "--ready-file", str(ready)], cwd=ROOT, env=env,
                                        stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if node.daemon.poll() is not None:
-                raise TierUnavailable(f"kvtier serve ({node.name}) exited: see {self.work}/daemon-{node.name}.log")
-            if time.monotonic() > deadline:
-                raise TierUnavailable(f"kvtier serve ({node.name}) did not start in 120 s")
-            time.sleep(0.1)
+        wait_ready_file(ready, node.daemon, f"kvtier serve ({node.name})", 120,
+                        log=self.work / f"daemon-{node.name}.log")
 
     def connector_options(self, node: Node) -> dict[str, Any]:
         return {"kvtier.cache": "daemon", "kvtier.daemon": node.address,

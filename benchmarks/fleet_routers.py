@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.common import stop_group, wait_healthy
+from benchmarks.common import stop_group, wait_healthy, wait_ready_file
 from benchmarks.fleet_engines import BT, ROOT, Fleet, free_port
 from kvtier.errors import ConfigError, TierUnavailable
 
@@ -107,13 +106,11 @@ def router(fleet: Fleet, name: str, tag: str, route_log_level: str = "warning") 
             proc = subprocess.Popen(kvtier_route_command(fleet, token, ready, route_log_level), cwd=ROOT,
                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-            deadline = time.monotonic() + 120
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    stop_group(proc)
-                    raise TierUnavailable(f"kvtier route did not start: see {log_path}")
-                time.sleep(0.1)
-            url = json.loads(ready.read_text())["url"]
+            try:
+                url = json.loads(wait_ready_file(ready, proc, "kvtier route", 120, log=log_path))["url"]
+            except TierUnavailable:
+                stop_group(proc)
+                raise
         else:
             port = free_port()
             proc = subprocess.Popen(vllm_router_command(fleet, name, port), cwd=fleet.work, stdout=log,

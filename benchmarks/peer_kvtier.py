@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import progress, stop_process
+from benchmarks.common import progress, stop_process, wait_ready_file
 from benchmarks.localdeploy import LocalDeployment
 from benchmarks.peer_cases import CaseRun, Workload
 from benchmarks.peer_pagecache import drop, resident_fraction
@@ -52,10 +52,6 @@ from storage_backends.grpc import GrpcTier, GrpcTierConfig
 ROOT = Path(__file__).resolve().parents[1]
 #: The request index the untimed warm-up request uses (never one of a phase's requests).
 WARM_UP = 999
-
-
-class DaemonStartError(KvtierError):
-    """``kvtier serve`` exited or did not become ready."""
 
 
 class KvtierSide:
@@ -313,7 +309,8 @@ class KvtierSide:
             proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
                                      "--ready-file", str(ready)], cwd=ROOT, env=env, stdout=log, stderr=log)
         try:
-            address = _wait_ready(ready, proc, dep.root / "daemon.log")
+            ready_text = wait_ready_file(ready, proc, "kvtier serve", 180, log=dep.root / "daemon.log")
+            address = json.loads(ready_text)["address"]
             token = dep.token("bench", "peer", roles=("publish:public",))
             tier = GrpcTier(GrpcTierConfig(address, token, timeout_s=self.w.timeout_s))
             try:
@@ -324,17 +321,6 @@ class KvtierSide:
         finally:
             stop_process(proc)
 
-
-def _wait_ready(ready: Path, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 180.0) -> str:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if ready.exists():
-            return str(json.loads(ready.read_text())["address"])
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise DaemonStartError(f"kvtier serve exited with {proc.returncode} before it was ready:\n{tail}")
-        time.sleep(0.05)
-    raise DaemonStartError(f"kvtier serve not ready after {timeout_s:.0f}s (log: {log})")
 
 
 class PagedRequests:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, stop_process
+from benchmarks.common import progress, stop_process, wait_ready_file
 from benchmarks.throttle import ThrottledTier
 from kvtier.block import Block
 from kvtier.errors import ConfigError, TierUnavailable
@@ -107,12 +106,7 @@ class BenchEnv:
         proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(dep.config_file),
                                  "--ready-file", str(ready)], cwd=ROOT)
         self.stack.callback(stop_process, proc)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise TierUnavailable(f"the daemon did not start (exit code {proc.poll()})")
-            time.sleep(0.1)
-        address = json.loads(ready.read_text())["address"]
+        address = json.loads(wait_ready_file(ready, proc, "kvtier serve", 60))["address"]
         # The bench's own daemon: it publishes the prefixes and, between models, deletes them, which
         # for public content takes an operator (docs/security.md 2.15).
         token = dep.token("bench", "reload-vs-recompute", roles=("publish:public", "operator"), ttl_s=24 * 3600)

@@ -64,7 +64,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, stop_group, stop_on_sigterm, stop_process
+from benchmarks.common import progress, stop_group, stop_on_sigterm, stop_process, wait_ready_file
 from benchmarks.output_match import LOGPROB_TOLERANCE, OutputMatch, combine, compare
 from benchmarks.progress import Phase, Progress
 from benchmarks.vllm_serve_bench import (
@@ -93,7 +93,7 @@ from benchmarks.vllm_server import (
     wait_ready,
     write_model,
 )
-from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.errors import ConfigError
 
 #: vLLM's engine and workers busy-poll their message queues for a second after each step (its
 #: shm_broadcast ``SpinCondition``). With both servers on one machine, a request waits this long
@@ -158,11 +158,7 @@ def run(args: argparse.Namespace) -> int:
                                    "-m", "kvtier.cli", "serve", "--config", str(dep.config_file), "--ready-file",
                                    str(ready)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         stack.callback(stop_process, daemon)
-        while not ready.exists():
-            if daemon.poll() is not None:
-                raise TierUnavailable("the kvtier daemon did not start")
-            time.sleep(0.1)
-        address = json.loads(ready.read_text())["address"]
+        address = json.loads(wait_ready_file(ready, daemon, "kvtier serve"))["address"]
         token_file = work / "engine.token"
         token_file.write_text(dep.token("node1", "engine", roles=("engine",)))
         token_file.chmod(0o600)
