@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import threading
@@ -117,6 +118,13 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_ready_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 120.0, *,

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import stop_group, stop_process, wait_ready_file
+from benchmarks.common import free_port, stop_group, stop_process, wait_ready_file
 from benchmarks.fleet_client import TOP_LOGPROBS, stream_completion
 from benchmarks.progress import say
 from benchmarks.vllm_server import (
@@ -83,12 +82,6 @@ def fleet_model(size: str) -> ModelSpec:
     """The project's real-weights recipe (``kvtier.engine.checkpoint``) at ``size``, float32, a
     1024-word vocabulary (token ``t<i>`` is id i), vLLM's CPU block size."""
     return replace(model_spec(size), dtype="float32", vocab_size=1024, block_tokens=BT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

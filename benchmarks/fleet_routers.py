@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.common import stop_group, wait_healthy, wait_ready_file
-from benchmarks.fleet_engines import BT, ROOT, Fleet, free_port
+from benchmarks.common import free_port, stop_group, wait_healthy, wait_ready_file
+from benchmarks.fleet_engines import BT, ROOT, Fleet
 from kvtier.errors import ConfigError, TierUnavailable
 
 ROUTER_PYTHON = ROOT / ".venv-vllmrouter" / "bin" / "python"

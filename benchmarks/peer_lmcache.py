@@ -31,7 +31,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -41,7 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, stop_process
+from benchmarks.common import free_port, progress, stop_process
 from benchmarks.peer_cases import CaseRun, Workload
 from benchmarks.peer_pagecache import drop, resident_fraction
 from kvtier.errors import KvtierError
@@ -195,7 +194,7 @@ class LmcacheSide:
     @contextmanager
     def _server(self, l1_bytes: int, l2: Path | None) -> Iterator[tuple[str, str]]:
         """A fresh MP server: its request URL (zmq) and its HTTP URL."""
-        port, http_port = _free_port(), _free_port()
+        port, http_port = free_port(), free_port()
         cmd = [str(self.python), "-m", "lmcache.v1.multiprocess.http_server",
                "--l1-size-gb", repr(l1_bytes / (1 << 30)), "--eviction-policy", "LRU",
                "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1", "--http-port", str(http_port),
@@ -289,12 +288,6 @@ class _Driver:
             raise LmcacheRunError("LMCache driver did not exit within 60s of its last session") from None
         if rc != 0:
             raise LmcacheRunError(f"LMCache driver exited with {rc}:\n{self.log.read_text(errors='replace')[-3000:]}")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 240.0) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -18,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import progress, stop_group, wait_healthy
+from benchmarks.common import free_port, progress, stop_group, wait_healthy
 from benchmarks.output_match import Generation
 from kvtier.engine.checkpoint import write_checkpoint
 from kvtier.engine.models import ModelSpec, model_spec
@@ -78,11 +77,6 @@ def llama_layout(spec: ModelSpec = MODEL, model_id: str = MODEL_ID) -> KVLayout:
                     block_shape_override=(spec.num_layers, spec.num_kv_heads, spec.block_tokens, 2 * spec.head_dim))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @dataclass
 class Server:
@@ -95,7 +89,7 @@ def launch_vllm(stack: ExitStack, python: str, model: Path, workdir: Path, name:
                 kvtier: dict[str, Any] | None) -> Server:
     """Start ``vllm serve`` (``kvtier``: with the connector, vLLM's prefix caching off; None:
     without kvtier, prefix caching on); ``wait_ready`` waits until it answers."""
-    port = _free_port()
+    port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "m",
            "--dtype", MODEL.dtype, "--enforce-eager", "--max-model-len", "8192",
            "--block-size", str(BLOCK_TOKENS), "--gpu-memory-utilization", "0.3", "--seed", "0",
