@@ -325,14 +325,21 @@ class Router:
             # A first attempt the cache decided counts in the chooser's rate; a retry is not an arrival.
             if attempt == 0 and held is not None:
                 choice = held
+                log.debug("decided without Locate (kvtier/router/held_rule.py): %s, %s", choice.engine, choice.reason)
             else:
                 if held is not None and located is None and prompt is not None:
                     located = await self._locate(prompt, digests)  # the held engine failed: price the rest
                     if located:
                         self._learn(digests, located)
                     now = time.monotonic()
-                choice = self.chooser.choose(self._candidates(up, located, now, digests),
-                                             now if attempt == 0 else None)
+                candidates = self._candidates(up, located, now, digests)
+                choice = self.chooser.choose(candidates, now if attempt == 0 else None)
+                if log.isEnabledFor(logging.DEBUG):  # what each decision saw, never the prompt or its salt
+                    log.debug("priced %s; Locate: %s", ", ".join(
+                        f"{c.engine} {c.wait_s * 1e3:.1f} + {c.service_s * 1e3:.1f} ms (load {c.load})"
+                        for c in candidates), "no answer" if not located else ", ".join(
+                        f"{n} holds {a.matched_blocks} of {a.requested_blocks} blocks"
+                        for n, a in sorted(located.items())))
             pace = self.pace.value(choice.engine, now)  # what the choice's price was multiplied by
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
