@@ -114,9 +114,15 @@ def engine(root: Path, name: str, tokenizer: Path | None, *, port: int = 0, pref
 
 def router(root: Path, engines: dict[str, str], *, nodes: dict[str, str] | None = None,
            token_file: Path | None = None, tokenizer: Path | None = None, extra: tuple[str, ...] = ()) -> Proc:
-    """``kvtier route`` over ``engines`` (node -> URL), asking ``nodes`` (name -> daemon address)."""
+    """``kvtier route`` over ``engines`` (node -> URL), asking ``nodes`` (name -> daemon address).
+
+    The Locate budget is at least 500 ms: the fake engines' prefill prices it at tens of ms, and on
+    CI's loaded cores the daemons answered later than that (router.log: "went on after 101.3 ms
+    ... without node(s) ['a', 'b']"), so a test of what the cache decides read the budget's
+    choice. A budget still ends well before the 1500 ms deadline, which the fault tests tell apart."""
     cmd = [sys.executable, "-m", "kvtier.cli", "route", "--listen", "127.0.0.1:0", "--log-level", "debug",
-           "--poll-ms", "300", "--health-timeout-ms", "1500", "--probe-ms", "300", "--deadline-ms", "1500"]
+           "--poll-ms", "300", "--health-timeout-ms", "1500", "--probe-ms", "300", "--deadline-ms", "1500",
+           "--locate-budget-min-ms", "500"]
     for node, url in engines.items():
         cmd += ["--engine", f"{node}={url}"]
     for name, address in (nodes or {}).items():

@@ -215,6 +215,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                str(router_token), "--tokenizer", str(model), "--deadline-ms", "2000",
                "--poll-ms", str(round(POLL_S * 1e3)),
                "--health-timeout-ms", "2000", "--probe-ms", "500", "--ready-file", str(ready),
+               # At least 1 s for Locate (its budget, else 9 blocks x 32 ms): in CI this suite runs
+               # beside the main one on two cores, where a daemon may answer later than the budget,
+               # and these tests read what the cache decides. Still half the deadline.
+               "--locate-budget-min-ms", "1000",
                "--log-level", "debug"]  # each decision in router.log: a failure here can be read
         for name, n in nodes.items():
             cmd += ["--engine", f"{name}={n.url}", "--node", f"{name}={n.address}"]
