@@ -54,12 +54,19 @@ def _b64e(data: bytes) -> str:
 
 
 def _b64d(text: str) -> bytes:
+    """The bytes of unpadded base64url ``text`` as ``_b64e`` writes them, and only so: Python's
+    decoder ignores the unused low bits of the last character, so without the round trip several
+    strings would decode to one signature or one set of claims, and a token could be altered
+    without being refused."""
     if not text or any(c not in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_" for c in text):
         raise AuthError("token is malformed (bad base64url)")
     try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
         raise AuthError("token is malformed (bad base64url)") from None
+    if _b64e(raw) != text:
+        raise AuthError("token is malformed (non-canonical base64url)")
+    return raw
 
 
 # -- algorithms -----------------------------------------------------------------------------------

@@ -192,11 +192,18 @@ def test_bad_credentials_never_reach_a_tier(rig: CacheRig) -> None:
     assert serve(good) == 5
     before = tier_ops(rig)
     head, body, sig = good.split(".")
+
+    def altered(text: str) -> str:
+        """``text`` with its middle character replaced by another: always a change (writing "AA"
+        over the last two was none when they already were "AA", one token in 1,024)."""
+        i = len(text) // 2
+        return text[:i] + ("B" if text[i] == "A" else "A") + text[i + 1:]
+
     bad = [
         mint(HmacKey("k1", b"f" * 32), MintRequest(ALICE, 60), now=2_000_000_000.0),  # forged
         mint(key, MintRequest(ALICE, 60), now=2_000_000_000.0 - 3600),  # expired
-        f"{head}.{body[:-2]}AA.{sig}",  # tampered claims
-        f"{head}.{body}.{sig[:-2]}AA",  # tampered signature
+        f"{head}.{altered(body)}.{sig}",  # tampered claims
+        f"{head}.{body}.{altered(sig)}",  # tampered signature
     ]
     for tok in bad:
         with pytest.raises(AuthError):

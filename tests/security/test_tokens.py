@@ -73,6 +73,27 @@ def test_tampered_signature_is_refused() -> None:
         verifier().verify(f"{head}.{flipped}{sig[1:]}")
 
 
+B64URL = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+
+@pytest.mark.parametrize("key", [HMAC, ED], ids=["hmac", "ed25519"])
+def test_another_encoding_of_the_same_signature_is_refused(key) -> None:
+    """The last base64url character of a signature has unused low bits (2 for HMAC's 32 bytes, 4
+    for Ed25519's 64), which Python's decoder ignores: set one and the string differs while the
+    bytes do not. Such a token is an altered one, refused as malformed."""
+    tok = token(key)
+    head, sig = tok.rsplit(".", 1)
+    unused = {2: 4, 3: 2}[len(sig) % 4]
+    assert B64URL.index(sig[-1]) % (1 << unused) == 0  # the minter writes them as zeros
+    altered = sig[:-1] + B64URL[B64URL.index(sig[-1]) | 1]
+    # Control: the same bytes, so only the encoding check can refuse it; the original passes.
+    decode = base64.urlsafe_b64decode
+    assert altered != sig and decode(altered + "=" * (-len(sig) % 4)) == decode(sig + "=" * (-len(sig) % 4))
+    assert verifier().verify(tok).principal.user == "alice"
+    with pytest.raises(AuthError, match="non-canonical"):
+        verifier().verify(f"{head}.{altered}")
+
+
 def test_forged_with_another_key_is_refused() -> None:
     with pytest.raises(AuthError, match="signature"):
         verifier().verify(token(HmacKey("h1", b"x" * 32)))  # right kid, wrong secret
