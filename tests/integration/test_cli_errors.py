@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
+from benchmarks.common import free_port
 from kvtier.cli.main import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_line_error(capsys, argv: list[str], needle: str) -> None:
@@ -50,13 +44,13 @@ def test_invalid_field_is_named(capsys, tmp_path, secret):
 
 def test_unreachable_s3_at_start(capsys, tmp_path, secret):
     cfg = _config(tmp_path, secret, "[tiers.memory]\ncapacity_bytes = 1000000\n[tiers.remote]\n"
-                                    f'endpoint = "http://127.0.0.1:{_free_port()}"\nbucket = "kvtier"\n'
+                                    f'endpoint = "http://127.0.0.1:{free_port()}"\nbucket = "kvtier"\n'
                                     "connect_timeout_s = 0.5\n")
     _one_line_error(capsys, ["serve", "--config", cfg], "unreachable")
 
 
 def test_unreachable_daemon_and_wrong_credentials(capsys):
-    _one_line_error(capsys, ["admin", "--address", f"127.0.0.1:{_free_port()}", "--token", "x", "stats"],
+    _one_line_error(capsys, ["admin", "--address", f"127.0.0.1:{free_port()}", "--token", "x", "stats"],
                     "UNAVAILABLE")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import free_port
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.cli.main import main
 from kvtier.errors import AccessDenied
@@ -31,12 +31,6 @@ from tests.integration.locate_rig import BT, BlockingFleet, DaemonProcess, Engin
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0
 PROMPT = list(range(20_000, 20_000 + 5 * BT + 1))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_stopped_and_a_frozen_node_are_reported_unavailable_within_the_deadline(tmp_path: Path) -> None:
@@ -96,7 +90,7 @@ def test_kvtier_locate_on_the_command_line(tmp_path: Path, capsys: pytest.Captur
         for path, text in ((token_file, dep.token("fleet", "router", roles=("router",))), (salt_file, alice)):
             path.write_text(text)
             path.chmod(0o600)
-        dead = f"127.0.0.1:{_free_port()}"
+        dead = f"127.0.0.1:{free_port()}"
         members.write_text(f'deadline_ms = 1500\n[nodes]\na = "{a.address}"\ndead = "{dead}"\n')
         ids = ",".join(map(str, PROMPT))
         rc = main(["locate", "--members", str(members), "--token-file", str(token_file), "--salt-file",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from benchmarks.common import free_port
 from kvtier.cli.main import main
 from kvtier.cli.membership import FleetMembers, fleet_members
 from kvtier.errors import ConfigError
@@ -199,9 +199,7 @@ def test_the_api_servers_certificate_is_checked_and_an_unreachable_api_is_named(
     wrong_ca = ApiAccess(server.access.url, server.access.token_file, other_ca, timeout_s=2.0)
     with pytest.raises(MembershipUnavailable, match="unreachable"):
         asyncio.run(K8sEndpoints(K8sSource.parse("k8s://kvtier/vllm:grpc"), wrong_ca).fetch())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()
     gone = ApiAccess(f"https://127.0.0.1:{closed}", server.access.token_file, server.access.ca_file, timeout_s=2.0)
     with pytest.raises(MembershipUnavailable, match="unreachable"):
         asyncio.run(K8sEndpoints(K8sSource.parse("k8s://kvtier/vllm:grpc"), gone).fetch())

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.common import stop_group, wait_healthy
+from benchmarks.common import free_port, stop_group, wait_healthy
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation, compare
 from benchmarks.vllm_server import write_model
 from kvtier.engine.models import model_spec
@@ -151,11 +151,7 @@ def same(want: Generation, got: Result, what: str) -> None:
 
 def _launch_engine(root: Path, name: str, model: Path, daemon_address: str, token_file: Path) -> tuple[
         subprocess.Popen[bytes], str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     kvtier = {"kvtier.cache": "daemon", "kvtier.daemon": daemon_address, "kvtier.daemon_token_file": str(token_file),
               "kvtier.model_id": MODEL_ID, "kvtier.daemon_timeout_s": 3}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
