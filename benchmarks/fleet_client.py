@@ -104,3 +104,13 @@ def replay(url: str, w: Workload, salts: dict[tuple[str, str], str],
 
     with ThreadPoolExecutor(max_workers=max(1, len(w.requests))) as pool:
         return list(pool.map(one, w.requests))
+
+
+def replay_alone(url: str, w: Workload, salts: dict[tuple[str, str], str]) -> list[Answer]:
+    """Send every request of ``w`` to ``url`` in order, each when the one before it has been
+    answered: no request ever waits behind another (the arrival times are not kept)."""
+    out = []
+    for r in w.requests:
+        a = stream_completion(url, list(r.tokens), salts[r.principal])
+        out.append(Answer(r.index, a.ttft_ms, a.prompt_tokens, a.cached_tokens, a.output, a.error))
+    return out

@@ -14,7 +14,8 @@ bucket, both engines' prefix caches reset, the router started fresh (so its own 
 empty too), two warm-up requests through it (prompts outside the workload, no salt), the
 engines' metrics read, the workload replayed (benchmarks/fleet_client.py), the metrics read
 again. Each run's users are new principals (``user<k>-<run>``) with new salts, so nothing a run
-cached can serve another, whatever any cache kept.
+cached can serve another, whatever any cache kept. Each round ends with the floor's run
+(benchmarks/fleet_report.py): prepared alike, the requests sent one at a time straight to engine a.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import stop_on_sigterm
-from benchmarks.fleet_client import OUTPUT_TOKENS, replay, stream_completion
+from benchmarks.fleet_client import OUTPUT_TOKENS, replay, replay_alone, stream_completion
 from benchmarks.fleet_engines import BT, NODES, VLLM_PYTHON, Fleet, engine_cores, fleet_model
-from benchmarks.fleet_report import RunFigures, report, run_figures
+from benchmarks.fleet_report import FLOOR, P50_TARGET, RunFigures, report, run_figures
 from benchmarks.fleet_routers import ROUTERS, check_vllm_router, router, router_metrics
 from benchmarks.fleet_workload import Workload, WorkloadSpec, build
 from benchmarks.output_match import LOGPROB_TOLERANCE, Generation
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     model = fleet_model(args.model_size or "small")
     tolerance = LOGPROB_TOLERANCE[model.dtype]
     plan = [Phase("start-up", 120), Phase("calibrate", 30), Phase("references", 2.0 * len(w.unique_prompts())),
-            Phase("runs", 30, rounds=rounds * len(routers))]
+            Phase("runs", 30, rounds=rounds * (len(routers) + 1))]
     t0 = time.time()
     runs: list[RunFigures] = []
     router_seen: list[dict[str, Any]] = []
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         settle_salt = fleet.dep.salt("kvtier", "settle")
         k = 0
         for rnd in range(rounds):
-            for name in routers:
+            for name in (*routers, FLOOR):
                 k += 1
                 fleet.settle(settle_salt)
                 fleet.purge(previous)
@@ -144,15 +145,25 @@ def run(args: argparse.Namespace) -> int:
                 principals = sorted({r.principal for r in w.requests})
                 salts = {p: fleet.dep.salt(p[0], f"{p[1]}-{k}") for p in principals}
                 previous = [(t, f"{u}-{k}") for t, u in principals]
-                with router(fleet, name, f"{name}-{rnd}", args.route_log_level) as url:
-                    for _ in range(2):
-                        warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
-                        if warm.error:
-                            raise ConfigError(f"router {name}: its warm-up request failed: {warm.error}")
+                seen: dict[str, float] = {}
+                if name == FLOOR:
+                    url = fleet.nodes["a"].url
+                    warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
+                    if warm.error:
+                        raise ConfigError(f"engine a: its warm-up request failed: {warm.error}")
                     before = fleet.metrics()
-                    answers = replay(url, w, salts)
+                    answers = replay_alone(url, w, salts)
                     after = fleet.metrics()
-                    seen = router_metrics(url) if name == "kvtier" else {}
+                else:
+                    with router(fleet, name, f"{name}-{rnd}", args.route_log_level) as url:
+                        for _ in range(2):
+                            warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
+                            if warm.error:
+                                raise ConfigError(f"router {name}: its warm-up request failed: {warm.error}")
+                        before = fleet.metrics()
+                        answers = replay(url, w, salts)
+                        after = fleet.metrics()
+                        seen = router_metrics(url) if name == "kvtier" else {}
                 fig = run_figures(name, rnd, w, answers, before, after, refs, tolerance)
                 runs.append(fig)
                 if seen:
@@ -192,8 +203,15 @@ def _table(doc: dict[str, Any]) -> str:
         per = "/".join(str(v) for _, v in sorted(r["requests_per_engine"].items()))
         lines.append(f"{name:<12} {r['ttft_p50_ms']:>8.1f} {r['ttft_p99_ms']:>8.1f} {r['token_hit_rate']:>9.3f} "
                      f"{per:>14} {r['cross_tenant_hits']:>8} {r['identical_outputs']!s:>8}")
+    if "floor" in doc:
+        f = doc["floor"]
+        lines.append(f"{'floor':<12} {f['ttft_p50_ms']:>8.1f} {f['ttft_p99_ms']:>8.1f} {f['token_hit_rate']:>9.3f} "
+                     f"{'(alone, a)':>14} {f['cross_tenant_hits']:>8} {f['identical_outputs']!s:>8}")
     if "ratios" in doc:
         x = doc["ratios"]
         lines.append(f"kvtier / cache_aware: p50 {x['kvtier_over_cache_aware_p50']:.2f}x, "
                      f"p99 {x['kvtier_over_cache_aware_p99']:.2f}x")
+        if "floor_over_cache_aware_p50" in x:
+            lines.append(f"floor / cache_aware: p50 {x['floor_over_cache_aware_p50']:.2f}x (no router can go "
+                         f"below it; the target is {P50_TARGET}x)")
     return "\n".join(lines)

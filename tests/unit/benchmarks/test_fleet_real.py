@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 from benchmarks.fleet_client import Answer
-from benchmarks.fleet_report import percentile, report, run_figures
+from benchmarks.fleet_report import FLOOR, percentile, report, run_figures
 from benchmarks.fleet_workload import WorkloadSpec, build, legit_cached_tokens, public_cached_tokens
 from benchmarks.output_match import Generation
 
@@ -42,9 +42,9 @@ def test_probes_copy_another_tenants_earlier_prompt_and_may_only_hit_the_public_
     assert legit_cached_tokens(w, own[1].index, {}) > public_cached_tokens(w, own[1].index)
 
 
-def _answers(w, cached) -> list[Answer]:
+def _answers(w, cached, ttft=lambda r: 10.0 + r.index) -> list[Answer]:
     out = Generation.of(list(range(32)), [{t: -0.1} for t in range(32)])
-    return [Answer(r.index, 10.0 + r.index, len(r.tokens), cached(r), out) for r in w.requests]
+    return [Answer(r.index, ttft(r), len(r.tokens), cached(r), out) for r in w.requests]
 
 
 def test_a_hit_beyond_the_legitimate_bound_is_counted_as_cross_tenant() -> None:
@@ -83,3 +83,35 @@ def test_the_report_has_the_documented_shape_and_ratios() -> None:
         assert r["identical_outputs"] is True and r["requests"] == 2 * len(w.requests)
     assert doc["ratios"]["kvtier_over_cache_aware_p50"] == 1.0 and len(doc["ratios"]["per_round"]) == 2
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4
+
+
+def test_the_floor_is_reported_beside_the_routers_with_its_ratio_and_whether_the_target_lies_above_it() -> None:
+    w = build(SPEC)
+    refs = {r.tokens: Generation.of(list(range(32)), [{t: -0.1} for t in range(32)]) for r in w.requests}
+    z = {"a": {"local_hit_tokens": 0, "kvtier_hit_tokens": 0, "requests": 0}}
+    n = len(w.requests)
+
+    def runs(floor_ms: float) -> list:
+        # cache_aware's TTFTs are 100..100+n-1 ms, kvtier route's 80 ms less, the floor's all floor_ms.
+        out = []
+        for rnd in range(2):
+            out.append(run_figures("cache_aware", rnd, w, _answers(w, lambda r: 0, lambda r: 100.0 + r.index), z, z,
+                                   refs, 1e-3))
+            out.append(run_figures("kvtier", rnd, w, _answers(w, lambda r: 0, lambda r: 20.0 + r.index), z, z, refs,
+                                   1e-3))
+            out.append(run_figures(FLOOR, rnd, w, _answers(w, lambda r: 0, lambda r: floor_ms), z, z, refs, 1e-3))
+        return out
+
+    c50 = percentile([100.0 + i for i in range(n)], 50)
+    low = report(runs(50.0), ["cache_aware", "kvtier"])
+    assert set(low["routers"]) == {"cache_aware", "kvtier"}  # the floor is no router
+    assert low["floor"]["ttft_p50_ms"] == 50.0 and low["floor"]["requests"] == 2 * n
+    assert low["ratios"]["floor_over_cache_aware_p50"] == round(50.0 / c50, 3)
+    assert [r["floor_p50"] for r in low["ratios"]["per_round"]] == [round(50.0 / c50, 3)] * 2
+    assert low["targets"]["p50_target_above_floor"] is True and low["targets"]["p50_at_most_0.7x_cache_aware"]
+    # Control: a floor above 0.7x cache_aware's p50 says the target lies below it.
+    high = report(runs(0.9 * c50), ["cache_aware", "kvtier"])
+    assert high["targets"]["p50_target_above_floor"] is False
+    # Without floor runs the report has none (and no claim about it).
+    plain = report([r for r in runs(50.0) if r.router != FLOOR], ["cache_aware", "kvtier"])
+    assert "floor" not in plain and "p50_target_above_floor" not in plain["targets"]
