@@ -27,7 +27,7 @@ import platform
 import shlex
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -145,25 +145,18 @@ def run(args: argparse.Namespace) -> int:
                 principals = sorted({r.principal for r in w.requests})
                 salts = {p: fleet.dep.salt(p[0], f"{p[1]}-{k}") for p in principals}
                 previous = [(t, f"{u}-{k}") for t, u in principals]
-                seen: dict[str, float] = {}
-                if name == FLOOR:
-                    url = fleet.nodes["a"].url
-                    warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
-                    if warm.error:
-                        raise ConfigError(f"engine a: its warm-up request failed: {warm.error}")
+                # The floor's requests go straight to engine a, one at a time; a router's through it.
+                front = (nullcontext(fleet.nodes["a"].url) if name == FLOOR
+                         else router(fleet, name, f"{name}-{rnd}", args.route_log_level))
+                with front as url:
+                    for _ in range(2):
+                        warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
+                        if warm.error:
+                            raise ConfigError(f"{name}: its warm-up request failed: {warm.error}")
                     before = fleet.metrics()
-                    answers = replay_alone(url, w, salts)
+                    answers = (replay_alone if name == FLOOR else replay)(url, w, salts)
                     after = fleet.metrics()
-                else:
-                    with router(fleet, name, f"{name}-{rnd}", args.route_log_level) as url:
-                        for _ in range(2):
-                            warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
-                            if warm.error:
-                                raise ConfigError(f"router {name}: its warm-up request failed: {warm.error}")
-                        before = fleet.metrics()
-                        answers = replay(url, w, salts)
-                        after = fleet.metrics()
-                        seen = router_metrics(url) if name == "kvtier" else {}
+                    seen = router_metrics(url) if name == "kvtier" else {}
                 fig = run_figures(name, rnd, w, answers, before, after, refs, tolerance)
                 runs.append(fig)
                 if seen:
