@@ -206,5 +206,5 @@ def _table(doc: dict[str, Any]) -> str:
                      f"p99 {x['kvtier_over_cache_aware_p99']:.2f}x")
         if "floor_over_cache_aware_p50" in x:
             lines.append(f"floor / cache_aware: p50 {x['floor_over_cache_aware_p50']:.2f}x (no router can go "
-                         f"below it; the target is {P50_TARGET}x)")
+                         f"below it, up to a run's noise; the target is {P50_TARGET}x)")
     return "\n".join(lines)

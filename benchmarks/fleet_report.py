@@ -21,7 +21,8 @@ and per round the ratio of kvtier route's p50 and p99 to vllm-router cache_aware
 Beside the routers, the floor (``FLOOR``, when the runs include it): the same requests sent one at
 a time straight to engine a, each when the one before it has been answered, so that none waits
 behind another, no router adds a hop, and one engine's own cache holds every prefix the run
-could reuse. No router can give the workload's median request a shorter TTFT on the same host,
+could reuse. No router can give the workload's median request a shorter TTFT on the same host
+(up to a run's noise: a 7-request ``--quick`` run once put the floor at 1.03x cache_aware's),
 so ``floor_over_cache_aware_p50`` is the lowest ratio to cache_aware any router could report in
 that round, and ``targets["p50_target_above_floor"]`` says whether the p50 target (0.7x
 cache_aware's) lies above the floor at all.
