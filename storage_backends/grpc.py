@@ -55,10 +55,10 @@ from kvtier.errors import (
 from kvtier.keys import BlockKey, Scope, ScopeDomain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc.block_assembler import BlockAssembler
 from kvtier.rpc.names import AUTH_METADATA, DURABLE_METADATA, REGION_METADATA, SALT_METADATA
 from kvtier.rpc.status import error_from
 from kvtier.rpc.wire import (
-    BlockAssembler,
     ResponseSlots,
     carries_chunk,
     describes_placed,

@@ -60,10 +60,10 @@ from kvtier.keys import BlockKey, Scope, ScopeDomain, ScopeKind, key_domain
 from kvtier.layout import DTYPES
 from kvtier.rpc import kvtier_pb2 as pb
 from kvtier.rpc import kvtier_pb2_grpc as pb_grpc
+from kvtier.rpc.block_assembler import BlockAssembler
 from kvtier.rpc.framed_block import FramedBlock, frame_from_region
 from kvtier.rpc.names import DURABLE_METADATA, REGION_METADATA, SERVICE_NAME
 from kvtier.rpc.wire import (
-    BlockAssembler,
     ChunkFrame,
     FrameSource,
     check_domain,

@@ -10,9 +10,10 @@ import xxhash
 
 from kvtier.errors import InvalidRequest
 from kvtier.layout import KVLayout
+from kvtier.rpc.block_assembler import BlockAssembler
 from kvtier.rpc.checksum import PIECE_BYTES, copy_hashed
 from kvtier.rpc.framed_block import FramedBlock, frame_from_region
-from kvtier.rpc.wire import BlockAssembler, ChunkFrame, meta_to_msg, wire_frame
+from kvtier.rpc.wire import ChunkFrame, meta_to_msg, wire_frame
 from storage_backends.frame_memory import FrameMemoryTier
 from tests.helpers import SMALL, chain_blocks, same_bytes
 

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from kvtier.errors import InvalidRequest, LayoutMismatch
 from kvtier.rpc import kvtier_pb2 as pb
+from kvtier.rpc.block_assembler import BlockAssembler
 from kvtier.rpc.wire import (
     FRAME_OVERHEAD,
     SMALL_MESSAGE_BYTES,
-    BlockAssembler,
     ChunkFrame,
     ResponseSlots,
     as_message,

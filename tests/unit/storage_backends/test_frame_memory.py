@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvtier.block import Block
-from kvtier.rpc.wire import BlockAssembler, ResponseSlots, WireFrame, decode_frame
+from kvtier.rpc.block_assembler import BlockAssembler
+from kvtier.rpc.wire import ResponseSlots, WireFrame, decode_frame
 from storage_backends.frame_memory import FrameMemoryTier
 from tests.helpers import SMALL, chain_blocks, same_bytes
 

@@ -15,8 +15,9 @@ import xxhash
 from kvtier.durable import cached_bytes, drop_page_cache
 from kvtier.errors import InvalidRequest
 from kvtier.layout import KVLayout
+from kvtier.rpc.block_assembler import BlockAssembler
 from kvtier.rpc.framed_block import FramedBlock
-from kvtier.rpc.wire import BlockAssembler, ResponseSlots, decode_frame, wire_frame
+from kvtier.rpc.wire import ResponseSlots, decode_frame, wire_frame
 from kvtier.security.keyring import KeyRing
 from kvtier.security.master_keys import FileKeyProvider, write_master_key
 from kvtier.security.wrapped_keys import FileWrappedKeyStore
