@@ -16,7 +16,8 @@ bytes do not match is a counted miss, never returned.
 
 Beside it: how to reach the daemon (``grpc_config.GrpcTierConfig``), the channel every client on
 it shares with its shared-memory session and breaker (``grpc_channel.DaemonChannel``), the Put's
-messages (``grpc_put_frames``), and a router's Locate client for an event loop (``grpc_locate``).
+messages (``grpc_put_frames``), where a Get's blocks land in shared memory (``grpc_get_share``),
+and a router's Locate client for an event loop (``grpc_locate``).
 """
 
 from __future__ import annotations
@@ -30,15 +31,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
-import numpy as np
 import torch
 
 from kvtier.block import Block, BlockMeta
-from kvtier.dataplane.layered_read import LayerMajorShare, PlacedShare
+from kvtier.dataplane.layered_read import PlacedShare
 from kvtier.dataplane.region_blocks import RegionBlocks
 from kvtier.dataplane.session import RETRY_AFTER_S, DataPlaneSession, PagesLink, SharedMemoryLink
 from kvtier.dataplane.slices import Slice, SliceLease
-from kvtier.dataplane.typed_views import TypedViews
 from kvtier.errors import (
     AccessDenied,
     DataPlaneUnavailable,
@@ -71,6 +70,7 @@ from kvtier.store.tier import NO_PINS, PutResult, Tier, TierUsage
 from storage_backends.circuit_breaker import CircuitBreaker
 from storage_backends.grpc_channel import DaemonChannel
 from storage_backends.grpc_config import GrpcTierConfig
+from storage_backends.grpc_get_share import get_share
 from storage_backends.grpc_put_frames import inline_frames, placed_in, region_frames
 
 log = logging.getLogger("kvtier.daemon_client")
@@ -393,59 +393,20 @@ class GrpcTier(Tier):
             request.found_runs.extend(pb.TierRun(tier=r.tier.removeprefix(f"{self.name}/"), level=r.level,
                                                  start=r.start, count=r.count) for r in lookup.runs)
             request.ticket = lookup.ticket
-        window = adopt = take = None
-        layered: LayerMajorShare | PlacedShare | None = None
-        used = [0]  # bytes of the share the daemon filled (from its start: it fills in order)
-        named: SharedMemoryLink | PagesLink | None = None if shm is None else shm[0]
-        if pages is not None:
-            assert sink is not None and sink.pages is not None and outs is None
-            placed = PlacedShare(sink.pages, sink, len(keys))
-            request.region_offset, request.region_bytes = 0, pages.nbytes
-            request.region_layers = sink.layers
-            request.block_offsets.extend(placed.offsets)
-            request.layer_stride = placed.stride
-            layered, window, take, named = placed, placed.window, placed.take, pages
-        elif shm is not None:
-            link, lease = shm
-            share = lease.slice
-            request.region_offset, request.region_bytes = share.offset, share.nbytes
-
-            # One tensor over the whole share: the blocks adopted from it are views of one storage
-            # (back to back, in request order), and the share stays leased while any is alive.
-            whole = link.region.window(share.offset, share.nbytes)
-            lease.hold(whole)
-            whole_t = torch.from_numpy(whole)
-            if sink is not None and outs is None:
-                request.region_layers = sink.layers
-                layered = LayerMajorShare(whole_t, share.offset, sink)
-            del whole
-
-            typed = TypedViews(whole_t)
-
-            def adopt(offset: int, meta: BlockMeta) -> torch.Tensor:
-                return typed.block(offset - share.offset, meta)
-
-            def window(offset: int, nbytes: int) -> np.ndarray:
-                # The daemon may write only inside this call's share of the region.
-                if not (share.offset <= offset and offset + nbytes <= share.offset + share.nbytes):
-                    raise InvalidRequest("daemon placed a block outside this call's share of the region")
-                if layered is not None:
-                    layered.check(offset, nbytes)
-                used[0] = max(used[0], offset + nbytes - share.offset)
-                return link.region.window(offset, nbytes)
+        gs = get_share(request, keys, outs, sink, shm, pages)
+        layered = gs.layered
 
         # A client trusts blocks the daemon verified (admission, disk, S3) and placed in shared
         # memory; inline blocks are hashed end to end as ever.
         slots = ResponseSlots(keys)
-        asm = BlockAssembler(allocate, slots.place, region=window, verify_region=False,
-                             adopt=adopt if outs is None and take is None else None, take=take)
+        asm = BlockAssembler(allocate, slots.place, region=gs.window, verify_region=False, adopt=gs.adopt, take=gs.take)
         placed_bytes = 0  # bytes of the blocks described as placed (they never pass through the assembler)
         err: KvtierError | None = None
         admitted = False
         try:
             deadline = self._ch.admit(self.config.timeout_s)
             admitted = True
-            stream = self._get(request, timeout=deadline, metadata=self._metadata(named))
+            stream = self._get(request, timeout=deadline, metadata=self._metadata(gs.named))
             for msg in stream:
                 # Laid out by layers, progress (layers_ready) comes alone or on the message that
                 # carries the chunks of the blocks it is about (see RegionWriter).
@@ -492,7 +453,7 @@ class GrpcTier(Tier):
                 for pos, blk in layered.done():
                     out[pos] = blk
             if shm is not None:
-                shm[1].trim(used[0])
+                shm[1].trim(gs.used)
 
     def region_blocks(self, n: int, block_bytes: int) -> RegionBlocks | None:
         """Room for ``n`` blocks in this channel's shared region, for a caller that writes them
