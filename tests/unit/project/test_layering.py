@@ -130,14 +130,14 @@ def test_the_data_plane_has_one_home() -> None:
 
 def test_storage_backends_holds_tiers_only() -> None:
     """Every module of storage_backends/ defines a Tier or serves one (the circuit breaker of the
-    S3 and daemon tiers; S3's package: its config, probes, objects, key mirror, revocation feed
+    S3 and daemon tiers; S3's package: its vacuum, its config, probes, objects, key mirror, revocation feed
     and its local state; the daemon's: its config, its shared channel, its Put messages, a Get's
     share of the region and its Locate client for an event loop), and none is a data-plane module."""
     import storage_backends
 
     tiers = {"memory", "frame_memory", "meta", "lmdb", "gpu", "grpc", "grpc_config", "grpc_channel", "grpc_put_frames",
              "grpc_get_share", "grpc_locate", "circuit_breaker"}
-    s3 = {"tier", "config", "probes", "objects", "key_mirror", "revocation_feed", "feed_state"}
+    s3 = {"tier", "seaweed_vacuum", "config", "probes", "objects", "key_mirror", "revocation_feed", "feed_state"}
     found = {str(f.relative_to(ROOT / "storage_backends").with_suffix("")) for f in
              (ROOT / "storage_backends").rglob("*.py") if "__pycache__" not in f.parts}
     assert found == {"__init__", *tiers, "s3/__init__", *(f"s3/{m}" for m in s3)}, found
