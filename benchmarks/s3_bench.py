@@ -13,16 +13,13 @@ Run alone: ``python -m benchmarks.s3_bench [--quick] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from benchmarks.common import progress, table, write_json
+from benchmarks.common import paired_seconds, progress, table, write_json
 from benchmarks.tiers import BENCH_LAYOUT, COLUMNS, make_blocks, row
 from kvtier import codec
 from kvtier.block import Block
@@ -65,23 +62,6 @@ class RawBoto3:
         self.pool.shutdown()
 
 
-def alternating_seconds(
-    ours: Callable[[], object], base: Callable[[], object], reps: int, setup: Callable[[], object] | None = None,
-) -> tuple[float, float]:
-    """Medians of ``ours`` and ``base``, timed in alternating order (ours first on even reps, the
-    baseline first on odd ones), so neither side always meets the server right after a reset."""
-    a: list[float] = []
-    b: list[float] = []
-    for i in range(reps):
-        if setup is not None:
-            setup()
-        for fn, acc in ((ours, a), (base, b)) if i % 2 == 0 else ((base, b), (ours, a)):
-            t0 = time.perf_counter()
-            fn()
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(a), statistics.median(b)
-
-
 def _rows_for(srv: EmbeddedS3, blocks: list[Block], reps: int, tag: str) -> list[dict[str, Any]]:
     tier = S3Tier(srv.s3_config(f"bench-{tag}", concurrency=CONCURRENCY, read_timeout_s=30.0))
     keys = [b.key for b in blocks]
@@ -105,13 +85,13 @@ def _rows_for(srv: EmbeddedS3, blocks: list[Block], reps: int, tag: str) -> list
             res = tier.put(blocks)
             assert len(res.stored) == len(blocks), f"S3Tier stored {len(res.stored)} of {len(blocks)}"
 
-        put, put_base = alternating_seconds(ours_put, base.put, reps, setup=reset)
+        put, put_base = paired_seconds(ours_put, base.put, reps, setup=reset)
 
         def ours_get() -> None:
             got = tier.get_into(keys, outs)
             assert all(g is not None for g in got), "S3Tier missed a block it holds"
 
-        get, get_base = alternating_seconds(ours_get, base.get, 4 * reps + 1)  # reads are cheap: more reps
+        get, get_base = paired_seconds(ours_get, base.get, 4 * reps + 1)  # reads are cheap: more reps
         got = tier.get(keys)
         assert all(g is not None and g.equal_bytes(b) for g, b in zip(got, blocks, strict=True)), "s3 bytes"
         errors = tier.metrics.snapshot()["errors"]

@@ -106,3 +106,21 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def refused_on_the_wire(address: str, token: str) -> bool:
+    """Whether the daemon at ``address`` turns the holder of ``token`` away (an access check
+    failed or the credential is no longer valid), as an engine's tier meets it: one Contains call,
+    no retries. Any other failure is raised."""
+    from kvtier.errors import AccessDenied, AuthError
+    from storage_backends.grpc import GrpcTier
+    from storage_backends.grpc_config import GrpcTierConfig
+
+    tier = GrpcTier(GrpcTierConfig(address, token, max_attempts=1))
+    try:
+        tier.contains([chain_blocks(1)[0].key])
+        return False
+    except (AccessDenied, AuthError):
+        return True
+    finally:
+        tier.close()

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.localdeploy import LocalDeployment
-from kvtier.errors import AccessDenied, AuthError, TierUnavailable
+from kvtier.errors import TierUnavailable
 from kvtier.security.policy import RevocationChange
 from kvtier.server.daemon import Daemon
 from kvtier.server.embedded_s3 import EmbeddedS3
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
 from storage_backends.s3.revocation_feed import S3RevocationFeed
-from tests.helpers import SECRET, chain_blocks, wait_for
+from tests.helpers import SECRET, refused_on_the_wire, wait_for
 
 SYNC_S = 0.2
 
@@ -42,14 +42,7 @@ def nodes(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[list[Daemon],
 
 
 def _refused(d: Daemon, dep: LocalDeployment, tenant: str = "acme", user: str = "alice") -> bool:
-    tier = GrpcTier(GrpcTierConfig(d.address, dep.token(tenant, user)))
-    try:
-        tier.contains([chain_blocks(1)[0].key])
-        return False
-    except (AccessDenied, AuthError):
-        return True
-    finally:
-        tier.close()
+    return refused_on_the_wire(d.address, dep.token(tenant, user))
 
 
 def test_a_revocation_on_one_node_reaches_the_other_and_a_grant_comes_back(nodes) -> None:

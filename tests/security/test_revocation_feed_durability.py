@@ -28,12 +28,12 @@ from typing import Any
 import pytest
 
 from benchmarks.localdeploy import LocalDeployment
-from kvtier.errors import AccessDenied, AuthError, ConfigError
+from kvtier.errors import ConfigError
 from kvtier.security.policy import Principal
 from kvtier.server.daemon import Daemon
 from kvtier.server.embedded_s3 import EmbeddedS3
 from storage_backends.grpc import GrpcTier, GrpcTierConfig
-from tests.helpers import SECRET, chain_blocks
+from tests.helpers import SECRET, refused_on_the_wire
 
 ALICE = Principal("acme", "alice")
 BOB = Principal("acme", "bob")
@@ -79,14 +79,7 @@ class Cluster:
         return self.up[name].backend.policy.is_active(p)
 
     def refused_on_the_wire(self, name: str, tenant: str, user: str) -> bool:
-        tier = GrpcTier(GrpcTierConfig(self.up[name].address, self.deps[name].token(tenant, user), max_attempts=1))
-        try:
-            tier.contains([chain_blocks(1)[0].key])
-            return False
-        except (AccessDenied, AuthError):
-            return True
-        finally:
-            tier.close()
+        return refused_on_the_wire(self.up[name].address, self.deps[name].token(tenant, user))
 
     def revoke(self, name: str, user: str) -> None:
         ops = GrpcTier(GrpcTierConfig(self.up[name].address, self.deps[name].token("kvtier", "ops",
