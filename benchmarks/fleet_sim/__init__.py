@@ -14,7 +14,8 @@ module (one concept each):
 - ``events``: the KV-event stream from nodes to an event-fed router's index, with delay, loss and
   indexer restarts as knobs;
 - ``approx_tree``: vllm-router's approximate prefix tree (what it sent where);
-- ``policies``: the routing policies compared, one module each;
+- ``policies``: the routing policies compared, one module each (``kvtier_index``: kvtier's rule
+  on a shared event-fed index instead of ``Locate``, run only when named);
 - ``simulator``: the event loop; ``report``: per-run results, the table and the plot;
   ``options``: the command line of ``--simulate``.
 

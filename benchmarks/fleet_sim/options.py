@@ -12,7 +12,7 @@ from typing import Any
 from benchmarks.common import progress, write_json
 from benchmarks.fleet_sim.events import Staleness
 from benchmarks.fleet_sim.multitenant import multitenant
-from benchmarks.fleet_sim.policies import EVENT_FED, POLICY_ORDER
+from benchmarks.fleet_sim.policies import EVENT_FED, POLICY_ORDER, VARIANTS
 from benchmarks.fleet_sim.pricing import PROFILES, Pricer
 from benchmarks.fleet_sim.report import format_runs, ideal, plot, verdicts
 from benchmarks.fleet_sim.requests import Workload, from_trace
@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: mooncake when no --workload is given)")
     g.add_argument("--workload", action="append", choices=SIM_WORKLOADS, metavar="NAME",
                    help=f"a generated workload (repeatable): {', '.join(SIM_WORKLOADS)}")
-    g.add_argument("--policies", default=",".join(POLICY_ORDER), help="policies to run, comma-separated")
+    g.add_argument("--policies", default=",".join(POLICY_ORDER),
+                   help=f"policies to run, comma-separated (default: all but {', '.join(VARIANTS)}: kvtier's policy "
+                        "with a shared KV-event index in place of Locate)")
     g.add_argument("--requests", type=int, metavar="N", help="only the first N requests of each source")
     g.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload generation and run seed")
     g.add_argument("--users", type=int, default=10, help="tenants a trace's conversations are dealt to")
@@ -62,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the event-fed indexer restarts empty this often (0: never)")
     g.add_argument("--metrics-interval-ms", type=float, default=50.0, help="engine metrics scrape interval")
     g.add_argument("--locate-ms", type=float, default=2.0, help="latency kvtier's Locate adds to each request")
+    g.add_argument("--index-ms", type=float, default=1.0,
+                   help="latency one lookup in a shared index adds to each request kvtier_index routes by it")
     g.add_argument("--locate-gpu", action="store_true",
                    help="kvtier's Locate also knows each engine's GPU prefix cache (a daemon that reads its engine's "
                         "KV events: not built; today's daemon knows its own tiers only)")
@@ -103,14 +107,15 @@ def _nodes(text: str) -> list[int]:
 
 def _policies(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in POLICY_ORDER]
+    unknown = [n for n in names if n not in POLICY_ORDER + VARIANTS]
     if unknown or not names:
-        raise ConfigError(f"--policies: unknown {unknown or text!r}; one or more of {', '.join(POLICY_ORDER)}")
+        raise ConfigError(f"--policies: unknown {unknown or text!r}; one or more of "
+                          f"{', '.join(POLICY_ORDER + VARIANTS)}")
     return names
 
 
 def _config(args: argparse.Namespace, pricer: Pricer) -> SimConfig:
-    for name in ("gpu_gib", "ram_gib", "disk_gib", "metrics_interval_ms", "locate_ms", "tpot_ms"):
+    for name in ("gpu_gib", "ram_gib", "disk_gib", "metrics_interval_ms", "locate_ms", "index_ms", "tpot_ms"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if args.gpu_gib <= 0:
@@ -124,7 +129,8 @@ def _config(args: argparse.Namespace, pricer: Pricer) -> SimConfig:
                      staleness=Staleness(args.event_delay_ms / 1e3, args.event_loss, args.indexer_restart_s),
                      tpot_s=args.tpot_ms / 1e3, metrics_interval_s=args.metrics_interval_ms / 1e3,
                      locate_s=args.locate_ms / 1e3, locate_gpu=args.locate_gpu,
-                     locate_s3=args.locate_s3, locate_every_request=args.locate_every_request, seed=args.seed)
+                     locate_s3=args.locate_s3, locate_every_request=args.locate_every_request,
+                     index_s=args.index_ms / 1e3, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
                    "event_loss": config.staleness.loss, "indexer_restart_s": config.staleness.restart_every_s,
                    "metrics_interval_s": config.metrics_interval_s, "locate_s": config.locate_s,
                    "locate_gpu": config.locate_gpu, "locate_s3": config.locate_s3,
-                   "locate_every_request": config.locate_every_request, "tpot_s": config.tpot_s,
+                   "locate_every_request": config.locate_every_request, "index_s": config.index_s,
+                   "tpot_s": config.tpot_s,
                    "seed": config.seed,
                    "cost_model": pricer.model.describe()},
         "references": references, "runs": runs, "verdicts": checks,

@@ -49,6 +49,8 @@ class SimConfig:
     locate_s3: bool = False
     #: ``kvtier route --locate-every-request``: no decision without Locate (policies/kvtier.py).
     locate_every_request: bool = False
+    #: A lookup in the shared index of ``kvtier_index`` (policies/kvtier_index.py).
+    index_s: float = 0.001
     #: Leading requests that run but are not counted (cold caches).
     warmup_requests: int = 0
     seed: int = 1
@@ -124,7 +126,7 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
     view = FleetView(fleet, s3, channel, block_tokens=workload.block_tokens,
                      metrics_interval_s=config.metrics_interval_s, locate_gpu=config.locate_gpu,
                      locate_s3=config.locate_s3)
-    pol = cls(PolicyContext(view, pricer, tie_rng, config.locate_s, config.locate_every_request))
+    pol = cls(PolicyContext(view, pricer, tie_rng, config.locate_s, config.locate_every_request, config.index_s))
     bt = workload.block_tokens
     warm = config.warmup_requests
     if not 0 <= warm < len(workload.requests):

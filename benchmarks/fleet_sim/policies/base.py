@@ -41,6 +41,8 @@ class PolicyContext:
     locate_s: float = 0.0
     #: kvtier asks Locate for every request (``kvtier route --locate-every-request``).
     locate_every_request: bool = False
+    #: Seconds one lookup in a shared index adds to each request ``kvtier_index`` routes by it.
+    index_s: float = 0.0
 
 
 class Policy(ABC):

@@ -85,26 +85,35 @@ class Kvtier(Policy):
         return max(0.0, self._queued_s[node] - max(0.0, now - self._head_since[node]))
 
     def choose(self, req: SimRequest, now: float) -> Choice:
-        pricer = self.ctx.pricer
         fast = self._held(req, now)
         if fast is not None:
             return fast
         self._delay = self.decision_delay_s
+        node = self._decide(req, now, self.view.locate(req))
+        return Choice(node, node)
+
+    def _decide(self, req: SimRequest, now: float, answers: list[list[int]], what_if: Chooser | None = None) -> int:
+        """The node the chooser picks when the nodes' answers are ``answers`` (per node, the tier of
+        each leading block). With ``what_if`` (a copy of the chooser) nothing of this policy
+        changes: the decision the same policy would have taken on other answers."""
+        pricer = self.ctx.pricer
         arrive = now + self.decision_delay_s
         service = []
-        for i, tiers in enumerate(self.view.locate(req)):
-            # What Locate found there, the held rule remembers (kvtier route: HeldRule.located).
-            self._maybe[i].update(req.keys[: len(tiers)])
-            self._anywhere.update(req.keys[: len(tiers)])
+        for i, tiers in enumerate(answers):
+            if what_if is None:
+                # What Locate found there, the held rule remembers (kvtier route: HeldRule.located).
+                self._maybe[i].update(req.keys[: len(tiers)])
+                self._anywhere.update(req.keys[: len(tiers)])
             held = self.computed.resident(self._names[i], req.keys)
             if held and held >= len(tiers) and not self.view.locate_gpu:
                 tiers = [GPU] * held
             service.append(pricer.plan(req, tiers).seconds)
-        self._predicted = service
         load = self.view.inflight
         candidates = [Candidate(self._names[i], self.wait_s(i, arrive), s, load[i]) for i, s in enumerate(service)]
-        node = int(self.chooser.choose(candidates, now).engine)
-        return Choice(node, node)
+        if what_if is not None:
+            return int(what_if.choose(candidates, now).engine)
+        self._predicted = service
+        return int(self.chooser.choose(candidates, now).engine)
 
     def _held(self, req: SimRequest, now: float) -> Choice | None:
         """``kvtier route``'s decision without Locate (kvtier/router/held_rule.py): some nodes'

@@ -14,6 +14,7 @@ from benchmarks.fleet_sim.policies import (
     Dynamo,
     DynamoConfig,
     Kvtier,
+    KvtierIndex,
     LlmD,
     LlmdConfig,
     PolicyContext,
@@ -44,7 +45,7 @@ def test_defaults_are_the_projects_own():
     d = DynamoConfig()
     assert (d.overlap_score_credit, d.host_cache_hit_weight, d.disk_cache_hit_weight) == (1.0, 0.75, 0.25)
     assert (d.prefill_load_scale, d.decode_active_request_weight) == (1.0, 0.0)
-    assert set(POLICIES) == {"round_robin", "least_loaded", "cache_aware", "llm_d", "dynamo", "kvtier"}
+    assert set(POLICIES) == {"round_robin", "least_loaded", "cache_aware", "llm_d", "dynamo", "kvtier", "kvtier_index"}
 
 
 def test_cache_aware_keeps_a_prefix_with_the_worker_that_first_got_it(pricer):
@@ -182,3 +183,50 @@ def test_kvtier_prices_the_gpu_cache_by_what_it_sent_there(pricer):
     pol.first_token(other, 2, 260.0)
     pol.choose(again, 300.0)
     assert pol._predicted[2] == cold
+
+
+def _index_ctx(pricer, staleness: Staleness, locate_gpu: bool = False) -> PolicyContext:
+    nodes = [Node(i, gpu_blocks=100, ram_blocks=100, disk_blocks=100, eviction="lru", block_bytes=1)
+             for i in range(3)]
+    channel = EventChannel(staleness, np.random.default_rng(0))
+    view = FleetView(nodes, set(), channel, block_tokens=512, metrics_interval_s=0.0, locate_gpu=locate_gpu)
+    return PolicyContext(view, pricer, np.random.default_rng(0), locate_s=0.002, index_s=0.0005)
+
+
+def _hold(ctx: PolicyContext, node: int, keys, medium: int, now: float = 0.0) -> None:
+    """``node`` holds ``keys`` in ``medium`` and says so in one event message."""
+    n = ctx.view.nodes[node]
+    {GPU: n.gpu, RAM: n.ram.keys, DISK: n.disk.keys}[medium].update(dict.fromkeys(keys))
+    ctx.view.channel.send(now, node, [KvEvent(STORED, k, medium) for k in keys])
+
+
+def test_kvtier_index_reads_from_the_index_what_locate_asks_the_nodes(pricer):
+    """Fed every event at once, the index answers as Locate does: per node its RAM and disk (the
+    cheaper of the two where both hold a block), the GPU cache only when Locate would see it;
+    a lookup costs ``index_s``, not ``locate_s``."""
+    req = _req(0, tuple(range(1, 11)), 10 * 512 + 50)
+    for gpu in (False, True):
+        ctx = _index_ctx(pricer, Staleness(), locate_gpu=gpu)
+        _hold(ctx, 0, req.keys, GPU)
+        _hold(ctx, 1, req.keys[:6], DISK)
+        _hold(ctx, 1, req.keys[:3], RAM)
+        _hold(ctx, 2, req.keys[1:], RAM)  # not the first block: no prefix
+        pol = KvtierIndex(ctx)
+        assert pol.answers(ctx.view.channel.index, req) == ctx.view.locate(req)
+        assert pol.answers(ctx.view.channel.index, req)[1] == [RAM] * 3 + [DISK] * 3
+        assert pol.decision_delay_s == 0.0005
+    assert ctx.view.locate(req)[0] == [GPU] * 10  # the last context saw the GPU cache
+
+
+def test_kvtier_index_on_a_stale_index_decides_otherwise_and_counts_it(pricer):
+    """A message the index has not had yet hides node 1's copy: the request goes elsewhere, and
+    the decision the same policy takes on the perfect index (node 1) makes it a misroute. Control:
+    on a perfect stream the two agree."""
+    req = _req(0, tuple(range(1, 21)), 20 * 512 + 50)
+    for staleness, node, fresh in ((Staleness(delay_s=1.0), None, 1), (Staleness(), 1, 1)):
+        ctx = _index_ctx(pricer, staleness)
+        _hold(ctx, 1, req.keys, RAM)
+        ctx.view.channel.advance(0.5)
+        c = KvtierIndex(ctx).choose(req, 0.5)
+        assert c.fresh == fresh
+        assert c.node == node if node is not None else c.node != 1
