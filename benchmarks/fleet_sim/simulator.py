@@ -5,8 +5,9 @@ decision sees every completion up to its own time. All randomness (ties, event l
 ``seed`` (two independent streams), so a run is a function of its inputs.
 
 Per request the run records its time to first token (arrival to first token: the router's own
-delay, the queue, reloads and compute), the blocks it reused by tier, its node, and whether stale
-information misrouted it. Only full blocks are cached and counted; the token hit rate is reused
+delay, the queue, reloads and compute), the blocks it reused by tier, its node, whether stale
+information misrouted it, and whether its decision asked every node (kvtier's ``Locate``) or a
+shared index. Only full blocks are cached and counted; the token hit rate is reused
 tokens over all input tokens (partial blocks included in the denominator). The first
 ``warmup_requests`` requests run like the others but are not counted: they fill the empty caches
 every run starts with (a fleet in service is rarely cold), the same requests for every policy.
@@ -73,6 +74,8 @@ class RunResult:
     events_sent: int
     events_lost: int
     indexer_restarts: int
+    #: Counted requests whose decision asked every node (``Locate``) or the shared index.
+    lookups: int = 0
 
     @property
     def token_hit_rate(self) -> float:
@@ -102,6 +105,7 @@ class RunResult:
             "requests_per_node": self.served,
             "events_sent": self.events_sent, "events_lost": self.events_lost,
             "indexer_restarts": self.indexer_restarts,
+            "lookups": self.lookups, "lookup_rate": round(self.lookups / n, 6),
         }
 
 
@@ -137,7 +141,7 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
     seq = 0
     ttft = [0.0] * len(workload.requests)
     reused = [0, 0, 0, 0]
-    misroutes = cross = 0
+    misroutes = cross = lookups = 0
     counted = [0] * nodes  # counted requests per node
     writer: dict[int, int] = {}  # private key -> the tenant that first stored it
     reqs = workload.requests
@@ -197,6 +201,7 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
         choice = pol.choose(req, now)
         if nxt >= warm:
             misroutes += choice.node != choice.fresh
+            lookups += choice.asked
             counted[choice.node] += 1
         view.inflight[choice.node] += 1
         pol.routed(req, choice.node, now)
@@ -210,4 +215,4 @@ def simulate(workload: Workload, nodes: int, policy: str, config: SimConfig, pri
     assert all(n.in_service is None and not n.queue and n.running_tokens == 0 for n in fleet)
     return RunResult(workload.name, nodes, policy, ttft[warm:], sum(r.input_tokens for r in reqs[warm:]), reused,
                      counted, [n.busy_s for n in fleet], misroutes, cross,
-                     channel.sent, channel.lost, channel.restarts)
+                     channel.sent, channel.lost, channel.restarts, lookups)

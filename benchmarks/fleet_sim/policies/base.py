@@ -28,6 +28,9 @@ class Choice:
     fresh: int  # the same policy's choice on up-to-date information (== node when it had it)
     #: Seconds this decision took (None: the policy's ``decision_delay_s``).
     delay_s: float | None = None
+    #: Whether it asked every node (``Locate``) or the shared index: kvtier's, where its held
+    #: rule could not decide without.
+    asked: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -90,7 +90,7 @@ class Kvtier(Policy):
             return fast
         self._delay = self.decision_delay_s
         node = self._decide(req, now, self.view.locate(req))
-        return Choice(node, node)
+        return Choice(node, node, asked=True)
 
     def _decide(self, req: SimRequest, now: float, answers: list[list[int]], what_if: Chooser | None = None) -> int:
         """The node the chooser picks when the nodes' answers are ``answers`` (per node, the tier of

@@ -68,4 +68,4 @@ class KvtierIndex(Kvtier):
         # The what-if runs first, on a copy: the real decision moves the chooser's rotation and rate.
         fresh = None if stale == true else self._decide(req, now, true, copy.deepcopy(self.chooser))
         node = self._decide(req, now, stale)
-        return Choice(node, node if fresh is None else fresh)
+        return Choice(node, node if fresh is None else fresh, asked=True)

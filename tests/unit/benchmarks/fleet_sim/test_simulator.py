@@ -175,3 +175,6 @@ def test_requests_decided_without_locate_skip_its_latency(pricer, small):
     shifts = [round(m - b, 9) for m, b in zip(held.ttft_s, base.ttft_s, strict=True)]
     assert set(shifts) == {0.0, 0.002} and shifts.count(0.0) > len(shifts) // 2
     assert all(round(m - b, 9) == 0.002 for m, b in zip(every.ttft_s, base.ttft_s, strict=True))
+    # Each request that paid the latency asked every node, and only those: the count is exact.
+    assert held.lookups == shifts.count(0.002) and every.lookups == len(every.ttft_s)
+    assert base.lookups == 0 and held.as_json()["lookup_rate"] == round(held.lookups / len(held.ttft_s), 6)
