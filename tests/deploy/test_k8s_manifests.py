@@ -1,166 +1,54 @@
-"""Offline checks of the Kubernetes manifests (k8s/) and the container recipe (Dockerfile).
-
-Every kustomization under k8s/ is rendered with tests/deploy/kustomize_render.py (a strict
-renderer for the kustomize subset the manifests use) and every rendered object is validated
-against the Kubernetes OpenAPI JSON schemas shipped inside the ``kubernetes-validate`` package
-(strict mode: unknown fields are errors), for the oldest and the newest Kubernetes version we
-support. On top of schema validity the tests pin down the properties that matter for running
-kvtier safely: security contexts, probes, metrics, network policy, config/secret wiring, and
-consistency between the manifests, the Dockerfile and pyproject.toml.
+"""Offline checks of the Kubernetes manifests (k8s/): every kustomization renders and validates
+against the Kubernetes schemas (tests/deploy/rendered.py), and the properties that matter for
+running kvtier safely hold: security contexts, probes, metrics, network policy, config/secret
+wiring and the embedded SeaweedFS. The fleet overlay's own wiring is test_k8s_fleet.py; the
+container recipe's agreement with these manifests, test_dockerfile.py.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import json
 import re
-import tomllib
 from pathlib import Path
-from typing import Any
 
-# Hard imports on purpose: a missing dev dependency must fail the suite, not skip it.
-import kubernetes_validate
 import pytest
 import yaml
 
-from . import kustomize_render as kr
-
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "k8s"
-BASE = K8S / "base"
-SEAWEEDFS = BASE / "seaweedfs"
-EMBEDDED = K8S / "overlays" / "embedded-s3"
-EXTERNAL = K8S / "overlays" / "external-s3"
-OVERLAYS = {"embedded-s3": EMBEDDED, "external-s3": EXTERNAL}
-#: `kvtier route` with engine pods sharing the S3 tier (checked by the pod rules, and its own test).
-FLEET = K8S / "overlays" / "fleet"
-ALL_OVERLAYS = {**OVERLAYS, "fleet": FLEET}
-
-NAMESPACE = "kvtier"
-DAEMON_UID = 10001
-DAEMON_IMAGE = "ghcr.io/kvtier/kvtier:0.1.0"
-DAEMON_COMMAND = ["kvtier", "serve", "--config", "/etc/kvtier/config/kvtier.toml"]
-DAEMON_POD_LABELS = {"app.kubernetes.io/name": "kvtier", "app.kubernetes.io/component": "cache-daemon"}
-ENGINE_LABELS = {"kvtier.io/engine": "true"}
-MONITORING_NS_SELECTOR = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
-SECRET_KEYS = {"master-key", "token-key", "server-secret"}
-GRPC_PORT, METRICS_PORT, S3_PORT = 7070, 9400, 8333
-OLDEST_SUPPORTED_K8S = "1.27"  # grpc probes are GA from 1.27, internalTrafficPolicy from 1.26
-
-BASE_CONFIG: dict[str, Any] = {
-    "server": {
-        "listen": "0.0.0.0:7070",
-        "metrics_listen": "0.0.0.0:9400",
-        "max_message_bytes": 67108864,
-        "max_inflight_bytes": 2147483648,
-        "max_inflight_bytes_per_client": 536870912,
-        "max_concurrent_rpcs": 256,
-        "reflection": False,
-    },
-    "auth": {"token_key_file": "/etc/kvtier/secrets/token-key"},
-    "security": {
-        "master_key_file": "/etc/kvtier/secrets/master-key",
-        "server_secret_file": "/etc/kvtier/secrets/server-secret",
-        "encrypt_disk": True,
-        "encrypt_remote": True,
-        "public_publishers": "",  # operators only, spelled out for whoever edits the map
-    },
-    "tiers": {
-        "memory": {"capacity_bytes": 17179869184, "policy": "prefix-aware"},
-        "disk": {"path": "/var/lib/kvtier/lmdb", "capacity_bytes": 274877906944, "policy": "prefix-aware"},
-        "remote": {
-            "endpoint": "http://kvtier-seaweedfs:8333",
-            "bucket": "kvtier",
-            "prefix": "kv",
-            "region": "us-east-1",
-            "write_policy": "write-through",
-        },
-    },
-}
-
-
-# --- helpers -------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _render_cached(directory: Path) -> str:
-    return json.dumps(kr.render(directory))
-
-
-def render(directory: Path) -> list[dict[str, Any]]:
-    """Rendered objects of a kustomization (a fresh copy each call, so tests can mutate it)."""
-    return json.loads(_render_cached(directory))
-
-
-def kustomization_dirs() -> list[Path]:
-    return sorted({p.parent for name in kr.KUSTOMIZATION_FILES for p in K8S.rglob(name)})
-
-
-def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
-
-
-def daemonset(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    return one(objects, "DaemonSet", "kvtier")
-
-
-def daemon_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    containers = daemonset(objects)["spec"]["template"]["spec"]["containers"]
-    assert [c["name"] for c in containers] == ["kvtier"]
-    return containers[0]
-
-
-def config_of(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    cm = one(objects, "ConfigMap", "kvtier-config")
-    assert set(cm["data"]) == {"kvtier.toml"}
-    return tomllib.loads(cm["data"]["kvtier.toml"])
-
-
-def k8s_versions() -> list[str]:
-    shipped = sorted(set(kubernetes_validate.utils.all_versions()), key=lambda v: tuple(int(x) for x in v.split(".")))
-    floor = tuple(int(x) for x in OLDEST_SUPPORTED_K8S.split("."))
-    usable = [v for v in shipped if tuple(int(x) for x in v.split("."))[:2] >= floor]
-    assert usable, f"kubernetes-validate ships no schema >= {OLDEST_SUPPORTED_K8S}: {shipped}"
-    return sorted({usable[0], usable[-1]})
-
-
-def schema_errors(obj: dict[str, Any]) -> list[str]:
-    """Validation errors of one object against every version in k8s_versions() (strict)."""
-    errors = []
-    for version in k8s_versions():
-        where = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')} @ {version}"
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            errors.append(f"{where}: {'.'.join(map(str, exc.path))}: {exc.message}")
-        except kubernetes_validate.SchemaNotFoundError as exc:  # unknown kind = not validated = error
-            errors.append(f"{where}: {exc.message}")
-    return errors
-
-
-WORKLOAD_KINDS = ("DaemonSet", "StatefulSet", "Deployment", "Job")
-
-
-def workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
-
-
-def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"]) for o in workloads(objects)]
-
-
-def effective(pod: dict[str, Any], container: dict[str, Any], field: str) -> Any:
-    """A securityContext field as the kubelet sees it: container value, else the pod's."""
-    csc, psc = container.get("securityContext", {}), pod.get("securityContext", {})
-    return csc[field] if field in csc else psc.get(field)
-
-
-def selector_matches(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
-    return bool(match_labels) and all(labels.get(k) == v for k, v in match_labels.items())
-
+from .rendered import (
+    ALL_OVERLAYS,
+    BASE,
+    BASE_CONFIG,
+    DAEMON_COMMAND,
+    DAEMON_IMAGE,
+    DAEMON_POD_LABELS,
+    DAEMON_UID,
+    EMBEDDED,
+    ENGINE_LABELS,
+    EXTERNAL,
+    FLEET,
+    GRPC_PORT,
+    K8S,
+    METRICS_PORT,
+    MONITORING_NS_SELECTOR,
+    NAMESPACE,
+    OVERLAYS,
+    S3_PORT,
+    SEAWEEDFS,
+    SECRET_KEYS,
+    config_of,
+    daemon_container,
+    daemonset,
+    effective,
+    k8s_versions,
+    kr,
+    kustomization_dirs,
+    one,
+    pod_specs,
+    render,
+    schema_errors,
+    selector_matches,
+    workloads,
+)
 
 # --- rendering and schema validation -----------------------------------------------------------
 
@@ -606,155 +494,3 @@ def test_external_overlay_has_no_embedded_store():
     objects = render(EXTERNAL)
     assert not [o for o in objects if "seaweedfs" in o["metadata"]["name"]]
     assert config_of(objects)["tiers"]["remote"]["endpoint"].startswith("https://")
-
-
-# --- Dockerfile and packaging consistency -------------------------------------------------------
-
-
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, comments dropped and continuation lines joined."""
-    text = (ROOT / "Dockerfile").read_text()
-    logical, current = [], ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not current and (not line or line.startswith("#")):
-            continue
-        if line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            current += line[:-1] + " "
-            continue
-        logical.append(current + line)
-        current = ""
-    assert not current, "Dockerfile ends inside a continuation"
-    out = []
-    for line in logical:
-        instruction, _, args = line.partition(" ")
-        out.append((instruction.upper(), args.strip()))
-    return out
-
-
-def _only(instructions: list[tuple[str, str]], name: str) -> str:
-    values = [args for ins, args in instructions if ins == name]
-    assert len(values) == 1, f"expected one {name}, found {values}"
-    return values[0]
-
-
-def test_dockerfile_matches_the_manifests():
-    ins = dockerfile_instructions()
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-    entrypoint = json.loads(_only(ins, "ENTRYPOINT"))
-    cmd = json.loads(_only(ins, "CMD"))
-    assert entrypoint == ["kvtier"]
-    assert entrypoint[0] in pyproject["project"]["scripts"]  # the console script pip installs
-    assert entrypoint + cmd == DAEMON_COMMAND == daemon_container(render(EMBEDDED))["command"]
-
-    user = _only(ins, "USER")
-    assert user == f"{DAEMON_UID}:{DAEMON_UID}"
-    pod = daemonset(render(EMBEDDED))["spec"]["template"]["spec"]
-    assert pod["securityContext"]["runAsUser"] == DAEMON_UID
-    assert daemon_container(render(EMBEDDED))["securityContext"]["runAsUser"] == DAEMON_UID
-    assert f"--uid {DAEMON_UID}" in " ".join(args for i, args in ins if i == "RUN")
-
-    exposed = {int(p) for p in _only(ins, "EXPOSE").split()}
-    assert exposed == {p["containerPort"] for p in daemon_container(render(EMBEDDED))["ports"]}
-
-    # Multi-stage on python:3.11-slim.
-    args = dict(a.split("=", 1) for i, a in ins if i == "ARG" and "=" in a)
-    stages = [a for i, a in ins if i == "FROM"]
-    assert args["PYTHON_IMAGE"] == "python:3.11-slim"
-    assert stages == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE} AS runtime"]
-    assert ("COPY", "--from=build /opt/kvtier /opt/kvtier") in ins
-
-    runs = [" ".join(a.split()) for i, a in ins if i == "RUN"]
-    assert any("--index-url https://download.pytorch.org/whl/cpu" in r and '"torch==' in r for r in runs)
-    assert any(re.search(r"(^|&& )pip install \.( |$)", r) for r in runs)
-
-    # The image tag deployed is the version pip builds.
-    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
-    image = next(i for i in kustomization["images"] if i["name"] == "kvtier")
-    assert f"{image['newName']}:{image['newTag']}" == DAEMON_IMAGE
-    assert image["newTag"] == pyproject["project"]["version"]
-
-
-def test_dockerignore_keeps_secrets_and_local_state_out():
-    patterns = {
-        line.strip()
-        for line in (ROOT / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    }
-    assert {".git", ".venv", "**/*.key", "**/*.pem"} <= patterns
-    for needed in ("pyproject.toml", "README.md", "kvtier", "storage_backends", "connectors", "benchmarks"):
-        assert needed not in patterns
-
-
-# --- the fleet overlay (kvtier route) ---------------------------------------------------------------
-
-
-def test_fleet_overlay_routes_to_every_engine_pod_and_its_daemon(tmp_path):
-    objects = render(FLEET)
-    sts = one(objects, "StatefulSet", "vllm")
-    replicas = sts["spec"]["replicas"]
-    assert replicas >= 2
-    assert one(objects, "Service", "vllm")["spec"]["clusterIP"] == "None"
-    pod = sts["spec"]["template"]["spec"]
-    assert sts["spec"]["template"]["metadata"]["labels"]["kvtier.io/engine"] == "true"  # S3 admits them
-    vllm, daemon = pod["containers"]
-    assert (vllm["name"], daemon["name"]) == ("vllm", "kvtier")
-    assert daemon["image"] == DAEMON_IMAGE and daemon["command"] == DAEMON_COMMAND
-    assert vllm["image"] == "ghcr.io/kvtier/vllm-kvtier:0.1.0"
-    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    flag = next(a for a in vllm["command"] if a.startswith("--kv-transfer-config="))
-    transfer = json.loads(flag.split("=", 1)[1])
-    extra = transfer["kv_connector_extra_config"]
-    assert extra["kvtier.daemon"] == "127.0.0.1:7070" and transfer["kv_connector"] == "KvtierConnector"
-
-    # Each container holds only its own secret: the salts' key never reaches the engine.
-    volumes = {v["name"]: v for v in pod["volumes"]}
-
-    def secret_items(container):
-        return {i["key"] for m in container["volumeMounts"] if "secret" in volumes[m["name"]]
-                and volumes[m["name"]]["secret"]["secretName"] == "kvtier-fleet-secrets"
-                for i in volumes[m["name"]]["secret"]["items"]}
-
-    assert secret_items(vllm) == {"engine-token"}
-    assert secret_items(daemon) == {"salt-key"}
-
-    # The daemons' config loads with kvtier's own schema and describes the engine beside them.
-    cm = one(objects, "ConfigMap", "kvtier-fleet-config")
-    (tmp_path / "kvtier.toml").write_text(cm["data"]["kvtier.toml"])
-    from kvtier.server.config import load_config
-
-    config = load_config(tmp_path / "kvtier.toml", env={})
-    block_size = int(next(a for a in vllm["command"] if a.startswith("--block-size=")).split("=")[1])
-    assert config.locate is not None and config.locate.model_id == extra["kvtier.model_id"]
-    assert config.locate.block_tokens == block_size
-    assert config.tiers.disk.path.startswith("/var/lib/kvtier")
-    assert config.auth.salt_key_file == "/etc/kvtier/fleet/salt-key"
-
-    # The router: one --engine per pod, its node the pod's daemon in the membership file.
-    router = one(objects, "Deployment", "kvtier-router")["spec"]["template"]["spec"]["containers"][0]
-    assert router["command"][:2] == ["kvtier", "route"] and router["image"] == DAEMON_IMAGE
-    engines = [a.split("=", 1)[1] for a in router["command"] if a.startswith("--engine=")]
-    names = [f"vllm-{i}" for i in range(replicas)]
-    assert engines == [f"{n}=http://{n}.vllm.kvtier.svc:8000" for n in names]
-    members = tomllib.loads(cm["data"]["members.toml"])
-    assert members["nodes"] == {n: f"{n}.vllm.kvtier.svc:7070" for n in names}
-    # ... the router reads them from the Service's endpoints: the port it names is the daemons'
-    # gRPC port, and its own account may list endpointslices in the namespace, and nothing else.
-    from kvtier.server.k8s_membership import K8sSource
-
-    source = K8sSource.parse(next(a.split("=", 1)[1] for a in router["command"] if a.startswith("--members=")))
-    service = one(objects, "Service", "vllm")
-    assert (source.namespace, source.service) == ("kvtier", "vllm")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}[source.port] == 7070
-    router_pod = one(objects, "Deployment", "kvtier-router")["spec"]["template"]["spec"]
-    assert router_pod["serviceAccountName"] == "kvtier-router"
-    role = one(objects, "Role", "kvtier-router-endpoints")
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
-    binding = one(objects, "RoleBinding", "kvtier-router-endpoints")
-    assert binding["roleRef"]["name"] == "kvtier-router-endpoints"
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvtier-router", "namespace": "kvtier"}]
-    # The base's node daemons are parked: every engine pod here has its own.
-    assert daemonset(objects)["spec"]["template"]["spec"]["nodeSelector"]["kvtier.io/node-daemon"] == "true"
