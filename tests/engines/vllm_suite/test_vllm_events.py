@@ -51,19 +51,19 @@ from kvtier.security.policy import ROLE_PUBLISH_PUBLIC, Policy, Principal
 from kvtier.store.tiered_store import TieredStore
 from storage_backends.memory import MemoryTier
 from tests.engines.cache_factory import SERVER_SECRET
-from tests.engines.vllm_suite.test_vllm_connector import (
+from tests.engines.vllm_suite.conftest import SALT_KEY
+from tests.engines.vllm_suite.vllm_rig import (
     BLOCK,
     HEAD,
     HEADS,
     LAYERS,
-    SALT_KEY,
     Engine,
-    _tp_step,
     kv_cache_config,
     make_engine,
     paged_kv,
     prompt,
     run_prefill,
+    tp_step,
     vllm_config,
 )
 
@@ -297,7 +297,7 @@ def test_with_tensor_parallelism_a_block_is_held_while_every_ranks_key_is(salt_k
         ranks.append(Engine(sched, worker, kv))
     salt = mint_salt(SALT_KEY, "acme", "alice")
     req = request("r1", prompt(4 * BLOCK + 1), salt)
-    _tp_step(sched, ranks, req, [0, 1, 2, 3, 4], fill_seed=3)
+    tp_step(sched, ranks, req, [0, 1, 2, 3, 4], fill_seed=3)
     eng = Engine(sched, ranks[0].worker, ranks[0].kv)
     events = published(eng)
     assert [h for e in stored(events) for h in e.block_hashes] == engine_hashes(req, 4), dict(sched.stats)
