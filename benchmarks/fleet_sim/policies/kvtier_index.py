@@ -25,6 +25,7 @@ from benchmarks.fleet_sim.policies.kvtier import Kvtier
 from benchmarks.fleet_sim.policies.prefix import leading_masks
 from benchmarks.fleet_sim.pricing import DISK, GPU, RAM
 from benchmarks.fleet_sim.requests import SimRequest
+from kvtier.errors import ConfigError
 
 #: Index media bits (events.MEDIUM_BIT) in the order a reload prefers them.
 _GPU_BIT, _RAM_BIT, _DISK_BIT = 1, 2, 4
@@ -35,26 +36,34 @@ class KvtierIndex(Kvtier):
     name = "kvtier_index"
 
     def __init__(self, ctx: PolicyContext) -> None:
+        if ctx.view.locate_s3:
+            raise ConfigError("kvtier_index cannot see the shared S3 tier (no event reports it as on a node): "
+                              "compare it with kvtier without --locate-s3")
         super().__init__(ctx)
         self.decision_delay_s = ctx.index_s
         self._delay = self.decision_delay_s
 
     def answers(self, index: BlockIndex, req: SimRequest) -> list[list[int]]:
-        """Per node, the cheapest tier the index says holds each leading block, up to the first it
-        does not (what ``FleetView.locate`` answers, read from ``index``)."""
+        """Per node, the tier the index says would serve each leading block, up to the first it
+        does not hold: what ``FleetView.locate`` answers (``Node.locate``), read from ``index``.
+        As there, the engine's GPU cache serves only its leading run of the prompt (with
+        ``locate_gpu``); from the first block it lacks, RAM, else disk."""
         out: list[list[int]] = [[] for _ in range(len(self.view))]
         gpu = self.view.locate_gpu
         for node, masks in leading_masks(index, req.keys).items():
             tiers = out[node]
+            in_gpu_run = gpu
             for m in masks:
-                if gpu and m & _GPU_BIT:
+                if in_gpu_run and m & _GPU_BIT:
                     tiers.append(GPU)
-                elif m & _RAM_BIT:
+                    continue
+                in_gpu_run = False
+                if m & _RAM_BIT:
                     tiers.append(RAM)
                 elif m & _DISK_BIT:
                     tiers.append(DISK)
                 else:
-                    break  # in the engine's GPU cache only, which this index is not told of
+                    break  # past the GPU's leading run, in its cache only: the engine cannot load it
         return out
 
     def choose(self, req: SimRequest, now: float) -> Choice:

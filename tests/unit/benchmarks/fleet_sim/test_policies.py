@@ -22,6 +22,7 @@ from benchmarks.fleet_sim.policies import (
 from benchmarks.fleet_sim.pricing import DISK, GPU, RAM
 from benchmarks.fleet_sim.requests import make_request
 from benchmarks.fleet_sim.view import FleetView
+from kvtier.errors import ConfigError
 
 
 def _ctx(pricer, n: int = 3, locate_s: float = 0.0) -> PolicyContext:
@@ -216,6 +217,30 @@ def test_kvtier_index_reads_from_the_index_what_locate_asks_the_nodes(pricer):
         assert pol.answers(ctx.view.channel.index, req)[1] == [RAM] * 3 + [DISK] * 3
         assert pol.decision_delay_s == 0.0005
     assert ctx.view.locate(req)[0] == [GPU] * 10  # the last context saw the GPU cache
+
+
+def test_kvtier_index_counts_the_gpu_only_for_its_leading_run(pricer):
+    """As Locate does, the index answers GPU only while the engine's cache holds every block from
+    the first: once a leading block has left the GPU for RAM, the later blocks are served from RAM
+    though the GPU still holds them, and a block past that run held in the GPU alone ends the prefix."""
+    req = _req(0, tuple(range(1, 7)), 6 * 512 + 50)
+    ctx = _index_ctx(pricer, Staleness(), locate_gpu=True)
+    _hold(ctx, 0, req.keys[:4], RAM)
+    _hold(ctx, 0, req.keys[1:], GPU)  # block 0 left the GPU; blocks 4 and 5 are there alone
+    _hold(ctx, 1, req.keys[:2], GPU)
+    _hold(ctx, 1, req.keys[:3], DISK)
+    pol = KvtierIndex(ctx)
+    answers = pol.answers(ctx.view.channel.index, req)
+    assert answers == ctx.view.locate(req)
+    assert answers[0] == [RAM] * 4 and answers[1] == [GPU, GPU, DISK]
+
+
+def test_kvtier_index_refuses_to_be_compared_with_a_locate_that_sees_s3(pricer):
+    nodes = [Node(i, gpu_blocks=100, ram_blocks=100, disk_blocks=100, eviction="lru", block_bytes=1) for i in range(2)]
+    view = FleetView(nodes, set(), EventChannel(Staleness(), np.random.default_rng(0)), block_tokens=512,
+                     metrics_interval_s=0.0, locate_s3=True)
+    with pytest.raises(ConfigError, match="S3"):
+        KvtierIndex(PolicyContext(view, pricer, np.random.default_rng(0)))
 
 
 def test_kvtier_index_on_a_stale_index_decides_otherwise_and_counts_it(pricer):

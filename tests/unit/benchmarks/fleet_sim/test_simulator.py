@@ -85,12 +85,14 @@ def test_policies_without_an_index_are_never_misrouted_by_it(policy, tenants_wl,
     assert r.misroutes == 0
 
 
-def test_a_perfect_index_at_locates_latency_is_kvtier_itself(tenants_wl, pricer, small):
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_perfect_index_at_locates_latency_is_kvtier_itself(gpu, tenants_wl, pricer, small):
     """The index variant differs from kvtier only where its index is stale or its lookup costs
-    otherwise: fed every event at once and at Locate's 2 ms, the two runs are the same run.
-    Controls: a stale index or a cheaper lookup makes another run."""
+    otherwise: fed every event at once and at Locate's 2 ms, the two runs are the same run, with
+    the engines' GPU caches in the answers or not (the small caches evict a leading block from a
+    GPU while later ones stay there). Controls: a stale index or a cheaper lookup makes another run."""
     def run(policy: str, **kw):
-        r = simulate(tenants_wl, 4, policy, small(locate_s=0.002, **kw), pricer).as_json()
+        r = simulate(tenants_wl, 4, policy, small(locate_s=0.002, locate_gpu=gpu, **kw), pricer).as_json()
         return {k: v for k, v in r.items() if k != "policy"}
 
     same = run("kvtier_index", index_s=0.002)
