@@ -108,15 +108,16 @@ class ManualClock:
         return self.now
 
 
-def refused_on_the_wire(address: str, token: str) -> bool:
+def refused_on_the_wire(address: str, token: str, **config: object) -> bool:
     """Whether the daemon at ``address`` turns the holder of ``token`` away (an access check
-    failed or the credential is no longer valid), as an engine's tier meets it: one Contains call,
-    no retries. Any other failure is raised."""
+    failed or the credential is no longer valid), as an engine's tier meets it: one Contains call.
+    ``config``: more of the tier's settings (``max_attempts=1``: no retries). Any other failure is
+    raised."""
     from kvtier.errors import AccessDenied, AuthError
     from storage_backends.grpc import GrpcTier
     from storage_backends.grpc_config import GrpcTierConfig
 
-    tier = GrpcTier(GrpcTierConfig(address, token, max_attempts=1))
+    tier = GrpcTier(GrpcTierConfig(address, token, **config))  # type: ignore[arg-type]
     try:
         tier.contains([chain_blocks(1)[0].key])
         return False

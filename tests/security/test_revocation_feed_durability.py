@@ -79,7 +79,7 @@ class Cluster:
         return self.up[name].backend.policy.is_active(p)
 
     def refused_on_the_wire(self, name: str, tenant: str, user: str) -> bool:
-        return refused_on_the_wire(self.up[name].address, self.deps[name].token(tenant, user))
+        return refused_on_the_wire(self.up[name].address, self.deps[name].token(tenant, user), max_attempts=1)
 
     def revoke(self, name: str, user: str) -> None:
         ops = GrpcTier(GrpcTierConfig(self.up[name].address, self.deps[name].token("kvtier", "ops",
