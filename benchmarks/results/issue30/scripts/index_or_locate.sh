@@ -32,3 +32,6 @@ wait
 run locate-100 --policies kvtier --locate-ms 100
 # The 2 ms runs again, for their lookup counts (their other figures are fleet_sim*.json's).
 run locate-2 --policies kvtier --locate-ms 2
+# The per-daemon Locate rate beyond 32 nodes (Mooncake under load): lookup_rate at 64 and 128 nodes.
+kvtier bench fleet --simulate --nodes 64,128 --trace mooncake --requests 16000 --policies kvtier --load 0.5 \
+  --json "$out/locate-2-0.5-64-128.json" > "$out/locate-2-0.5-64-128.log" 2>&1
