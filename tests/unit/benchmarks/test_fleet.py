@@ -84,6 +84,7 @@ def test_real_engines_refuse_an_unknown_router(tmp_path, capsys):
     (["--trace", "/nonexistent/trace.jsonl"], "not found"),
     (["--event-loss", "2"], "probability"),
     (["--index-ms", "-1"], "--index-ms"),
+    (["--policies", "kvtier_index", "--locate-s3"], "cannot see the shared S3 tier"),
     (["--requests", "0"], "--requests"),
 ])
 def test_bad_options_are_clear_errors(argv, message, tmp_path, capsys):
