@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import pytest
 
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.layout import KVLayout
@@ -29,8 +30,10 @@ def start_daemon(root: Path, *, server: dict | None = None) -> tuple[LocalDeploy
     return dep, Daemon(dep.config()).start()
 
 
-def running_daemon(tmp_path: Path) -> Iterator[tuple[LocalDeployment, Daemon]]:
-    """The suites' ``deployment`` fixture: a daemon with a data plane, stopped after the test."""
+@pytest.fixture(name="deployment")
+def deployment_fixture(tmp_path: Path) -> Iterator[tuple[LocalDeployment, Daemon]]:
+    """The suites' ``deployment`` fixture (a module imports ``deployment_fixture``): a daemon with a
+    data plane, stopped after the test."""
     dep, daemon = start_daemon(tmp_path / "d")
     yield dep, daemon
     daemon.stop(grace_s=0)

@@ -25,17 +25,11 @@ from tests.integration.data_plane_rig import (
     MID,
     ROOT,
     data_plane_offer,
+    deployment_fixture,  # noqa: F401 - the deployment fixture, for pytest
     memfd_regions,
-    running_daemon,
     shm_tier,
     start_daemon,
 )
-
-
-@pytest.fixture
-def deployment(tmp_path):
-    yield from running_daemon(tmp_path)
-
 
 CLIENT = textwrap.dedent("""
     import sys, time

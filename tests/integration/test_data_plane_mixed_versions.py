@@ -14,12 +14,7 @@ from benchmarks.localdeploy import LocalDeployment
 from kvtier.errors import DataPlaneUnavailable
 from kvtier.keys import Scope
 from tests.helpers import SECRET, chain_blocks
-from tests.integration.data_plane_rig import MID, running_daemon
-
-
-@pytest.fixture
-def deployment(tmp_path):
-    yield from running_daemon(tmp_path)
+from tests.integration.data_plane_rig import MID, deployment_fixture  # noqa: F401 - the deployment fixture, for pytest
 
 
 def _older_daemon(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,18 +31,13 @@ from tests.helpers import chain_blocks, wait_for
 from tests.integration.data_plane_rig import (
     MID,
     data_plane_offer,
+    deployment_fixture,  # noqa: F401 - the deployment fixture, for pytest
     memfd_maps,
     raw_get,
     raw_put,
-    running_daemon,
     shm_tier,
     start_daemon,
 )
-
-
-@pytest.fixture
-def deployment(tmp_path):
-    yield from running_daemon(tmp_path)
 
 
 # -- bytes ------------------------------------------------------------------------------------------
