@@ -52,6 +52,7 @@ from kvtier.router.locate_budget import LocateBudget
 from kvtier.router.loop_lag import probe_loop_lag
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pace import Pace
+from kvtier.router.prefix_demand import PrefixDemand
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
 from kvtier.router.queue_model import QueueModel
@@ -118,7 +119,9 @@ class Router:
         self.chooser = Chooser(settings.edge)
         #: The engines' pace against the cost model's prices (kvtier/router/pace.py).
         self.pace = Pace(e.name for e in self.engines)
-        self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser, self.pace)
+        #: How often each prefix was asked for lately (kvtier/router/prefix_demand.py).
+        self.demand = PrefixDemand()
+        self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser, self.pace, self.demand)
         m = settings.locate_budget_min_s
         self.budget = LocateBudget(m, self.pace) if m is not None else None
         #: Tokens a block, from the daemons' Locate answers (0: none yet).
@@ -333,13 +336,16 @@ class Router:
                         self._learn(digests, located)
                     now = time.monotonic()
                 candidates = self._candidates(up, located, now, digests)
-                choice = self.chooser.choose(candidates, now if attempt == 0 else None)
+                demand = self.demand.rate(digests, self._held_depth(up, located, digests), now)
+                choice = self.chooser.choose(candidates, now if attempt == 0 else None, demand)
                 if log.isEnabledFor(logging.DEBUG):  # what each decision saw, never the prompt or its salt
-                    log.debug("priced %s; Locate: %s", ", ".join(
+                    log.debug("priced %s; prefix demand %.2f/s; Locate: %s", ", ".join(
                         f"{c.engine} {c.wait_s * 1e3:.1f} + {c.service_s * 1e3:.1f} ms (load {c.load})"
-                        for c in candidates), "no answer" if not located else ", ".join(
+                        for c in candidates), demand, "no answer" if not located else ", ".join(
                         f"{n} holds {a.matched_blocks} of {a.requested_blocks} blocks"
                         for n, a in sorted(located.items())))
+            if attempt == 0:
+                self.demand.arrived(digests, now)  # after its own decision: a request does not count itself
             pace = self.pace.value(choice.engine, now)  # what the choice's price was multiplied by
             engine = self.by_name[choice.engine]
             tried.append(engine.name)
@@ -398,6 +404,16 @@ class Router:
                 if e.name not in tried and not self._watch.up(e.name)]
         why = "; ".join(failures + down) or "no engine configured"
         return self._error(endpoint, 503, f"no engine could answer ({why})")
+
+    def _held_depth(self, engines: Sequence[EngineSpec], located: Mapping[str, Located] | None,
+                    digests: tuple[bytes, ...]) -> int:
+        """The most leading blocks of the prompt any engine is believed to hold or any node answered
+        holding: the prefix whose demand shares the price of a copy (kvtier/router/choice.py)."""
+        if not digests:
+            return 0
+        held = max((self.cached.resident(e.name, digests) for e in engines), default=0)
+        found = max((a.matched_blocks for a in (located or {}).values()), default=0)
+        return min(len(digests), max(held, found))
 
     def _record_sent(self, engine: EngineSpec, prompt: RequestPrompt, digests: tuple[bytes, ...]) -> None:
         """What the held rule must know of a prompt sent to ``engine`` (kvtier/router/held_rule.py)."""

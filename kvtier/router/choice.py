@@ -37,6 +37,22 @@ to that engine by what it holds, so the rate is the engine's own, and counts onl
 The term vanishes as the rate goes to 0, and a caller that gives no time (``now=None``) decides
 on the prediction alone.
 
+An engine priced above the best-served one (``served``, the lowest service price; in ``held`` the
+holders') would compute a copy of a prefix that engine holds. The copy serves more than this
+request: the requests for the same prefix that arrive while the best-served engine's queue lasts
+could use it too. So its term is shared among them::
+
+    cost = predicted + service x rate_e x predicted / copies
+    copies = 1 + demand x wait_served
+
+with ``demand`` the requests per second that lately shared the prompt's most-held prefix (the
+caller's, kvtier/router/prefix_demand.py) and ``wait_served`` the best-served engine's queue wait.
+Without it, a hot document stayed on the one engine that held it behind a queue of one to two
+seconds while every other engine was idle: computing it elsewhere was charged the full wait it
+added for that engine's own conversations (the fleet simulator's multitenant workload under load:
+p99 1,147 ms at 8 nodes with seed 2, 615 ms at 32 with seed 3; 342 and 360 ms with it). With no
+queue at the best-served engine, or no demand, ``copies`` is 1 and the rule is as above.
+
 Engines whose cost lies within the edge of the best (``edge_s``, or ``edge_rel`` of the best
 when that is larger) are tied: the cache gives none of them an edge worth having, and the least
 loaded of them wins, then the next in a rotation. The reason says which rule decided:
@@ -129,27 +145,36 @@ class Chooser:
                 del counts[engine]
         return {e: n / self.window_s for e, n in counts.items()}
 
-    def held(self, holders: Sequence[Candidate], floors: Sequence[Candidate], now: float) -> Choice | None:
+    def held(self, holders: Sequence[Candidate], floors: Sequence[Candidate], now: float,
+             demand: float = 0.0) -> Choice | None:
         """The choice without ``Locate`` (module docstring), or None: ask it. ``holders``: the
         engines believed to hold the most of the prompt themselves, priced at what they lack;
         ``floors``: every other engine, at no more than it can cost. Every floor must lie beyond
         the edge of the best holder; the holders are then chosen among as ``choose`` would, and a
-        choice ``choose`` would call ``cache`` is called ``held``."""
+        choice ``choose`` would call ``cache`` is called ``held``. ``demand``: as ``choose``'s."""
         assert holders, "no holder"
-        return self._decide(holders, floors, now)
+        return self._decide(holders, floors, now, demand)
 
-    def choose(self, candidates: Sequence[Candidate], now: float | None = None) -> Choice:
+    def choose(self, candidates: Sequence[Candidate], now: float | None = None, demand: float = 0.0) -> Choice:
+        """``demand``: requests per second that lately shared the prompt's most-held prefix
+        (module docstring; 0: none counted)."""
         assert candidates, "no candidate"
-        choice = self._decide(candidates, None, now)
+        choice = self._decide(candidates, None, now, demand)
         assert choice is not None
         return choice
 
     def _decide(self, candidates: Sequence[Candidate], floors: Sequence[Candidate] | None,
-                now: float | None) -> Choice | None:
+                now: float | None, demand: float) -> Choice | None:
+        assert demand >= 0, demand
         rates = {} if now is None else self.rates(now)
+        # The best-served among the candidates: in ``held`` the holders, whose price a floor (a
+        # lower bound) may undercut without holding the prefix.
+        served = min(c.service_s for c in candidates)
+        copies = 1.0 + demand * min(c.wait_s for c in candidates if c.service_s == served)
 
         def cost(c: Candidate) -> float:
-            return c.predicted_s * (1.0 + c.service_s * rates.get(c.engine, 0.0))
+            share = 1.0 if c.service_s <= served else copies
+            return c.predicted_s * (1.0 + c.service_s * rates.get(c.engine, 0.0) / share)
 
         costs = [cost(c) for c in candidates]
         best = min(costs)

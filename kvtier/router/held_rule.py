@@ -50,6 +50,7 @@ from kvtier.router.choice import Candidate, Choice, Chooser
 from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engines import EngineSpec
 from kvtier.router.pace import Pace
+from kvtier.router.prefix_demand import PrefixDemand
 from kvtier.router.queue_model import QueueModel
 from kvtier.router.seen_blocks import SeenBlocks
 from kvtier.server.locate import Located
@@ -70,11 +71,13 @@ class HeldRule:
     """
 
     def __init__(self, engines: Sequence[EngineSpec], cached: EngineCacheView, queue: QueueModel,
-                 chooser: Chooser, pace: Pace, *, node_bits: int = NODE_BITS, fleet_bits: int = FLEET_BITS) -> None:
+                 chooser: Chooser, pace: Pace, demand: PrefixDemand, *, node_bits: int = NODE_BITS,
+                 fleet_bits: int = FLEET_BITS) -> None:
         self.cached = cached
         self.queue = queue
         self.chooser = chooser
         self.pace = pace
+        self.demand = demand
         self._node_bits = node_bits
         self._maybe: dict[str, SeenBlocks] = {}
         self._anywhere = SeenBlocks(fleet_bits)
@@ -112,7 +115,7 @@ class HeldRule:
             k = max(resident[e.name], self._maybe[e.node].leading(digests[:r]))
             extra_s = (r - k) * self._block_ms.get(e.node, 0.0) / 1e3 * self.pace.value(e.name, now)
             floors.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
-        return self.chooser.held(holders, floors, now)
+        return self.chooser.held(holders, floors, now, self.demand.rate(digests, r, now))
 
     def unlocated(self, up: Sequence[EngineSpec], digests: Sequence[bytes], now: float) -> list[Candidate] | None:
         """Every engine priced without a ``Locate`` answer (none came within the request's budget,

@@ -12,7 +12,9 @@ the shared S3; the rest computed):
 
 and ``Chooser.choose`` picks: the lowest ``wait + service`` plus the wait its work adds for the
 requests expected behind it (``service x rate x (wait + service)``, ``rate`` the requests the
-router sent that node for its cache, per second over the last 30 s); nodes within the router's
+router sent that node for its cache, per second over the last 30 s; for a node that would compute
+a copy of a prefix another node serves cheaper, shared by the requests for that prefix expected
+while the cheaper node's queue lasts: ``PrefixDemand``, kvtier/router/prefix_demand.py); nodes within the router's
 edge of the best (1 ms, or 5 % of it: ``Edge()``, ``kvtier route``'s ``--edge-ms`` /
 ``--edge-rel`` defaults) are tied, and the least loaded of them wins, then a rotation. So a
 one-block edge (the shared system prompt) does not pull every new conversation onto the nodes that
@@ -52,6 +54,7 @@ from benchmarks.fleet_sim.pricing import GPU
 from benchmarks.fleet_sim.requests import SimRequest
 from kvtier.router.choice import Candidate, Chooser, Edge
 from kvtier.router.engine_cache import EngineCacheView, Pending
+from kvtier.router.prefix_demand import PrefixDemand
 
 
 @register
@@ -76,6 +79,8 @@ class Kvtier(Policy):
         # kvtier route's own record of what each engine computed, at each node's GPU capacity.
         self.computed = EngineCacheView(self._names, default_blocks=0)
         self._pending: dict[int, Pending] = {}
+        #: kvtier route's count of the requests that shared each prefix lately (the chooser's ``demand``).
+        self.demand = PrefixDemand()
         for name, node in zip(self._names, self.view.nodes, strict=True):
             self.computed.capacity(name, node.gpu_capacity)
 
@@ -99,21 +104,24 @@ class Kvtier(Policy):
         pricer = self.ctx.pricer
         arrive = now + self.decision_delay_s
         service = []
+        depth = 0
         for i, tiers in enumerate(answers):
             if what_if is None:
                 # What Locate found there, the held rule remembers (kvtier route: HeldRule.located).
                 self._maybe[i].update(req.keys[: len(tiers)])
                 self._anywhere.update(req.keys[: len(tiers)])
             held = self.computed.resident(self._names[i], req.keys)
+            depth = max(depth, held, len(tiers))
             if held and held >= len(tiers) and not self.view.locate_gpu:
                 tiers = [GPU] * held
             service.append(pricer.plan(req, tiers).seconds)
         load = self.view.inflight
         candidates = [Candidate(self._names[i], self.wait_s(i, arrive), s, load[i]) for i, s in enumerate(service)]
+        demand = self.demand.rate(req.keys, depth, now)
         if what_if is not None:
-            return int(what_if.choose(candidates, now).engine)
+            return int(what_if.choose(candidates, now, demand).engine)
         self._predicted = service
-        return int(self.chooser.choose(candidates, now).engine)
+        return int(self.chooser.choose(candidates, now, demand).engine)
 
     def _held(self, req: SimRequest, now: float) -> Choice | None:
         """``kvtier route``'s decision without Locate (kvtier/router/held_rule.py): some nodes'
@@ -137,7 +145,7 @@ class Kvtier(Policy):
             c = Candidate(name, self.wait_s(i, now), pricer.plan(req, [GPU] * k).seconds, load[i])
             (holders if resident[i] == r else floors).append(c)
             service.append(c.service_s)
-        choice = self.chooser.held(holders, floors, now)
+        choice = self.chooser.held(holders, floors, now, self.demand.rate(req.keys, r, now))
         if choice is None:
             return None
         self._delay = 0.0
@@ -146,6 +154,7 @@ class Kvtier(Policy):
         return Choice(node, node, delay_s=0.0)
 
     def routed(self, req: SimRequest, node: int, now: float) -> None:
+        self.demand.arrived(req.keys, now)
         self._pending[req.rid] = self.computed.sent(self._names[node], req.keys)
         self._maybe[node].update(req.keys)
         self._anywhere.update(req.keys)

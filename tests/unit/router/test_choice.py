@@ -143,3 +143,57 @@ def test_the_rate_its_cache_draws_can_leave_a_holder_to_locate() -> None:
     assert c.held(holder, floors, now=10.0) is None
     # Control: the rate gone (a long time later), 0.5 against 0.6 wins.
     assert c.held(holder, floors, now=1000.0) is not None
+
+
+def _bound(c: Chooser, engines: tuple[str, ...], n: int, every_s: float) -> None:
+    """``n`` arrivals ``every_s`` apart, dealt between ``engines`` by their caches (reason cache)."""
+    _cache_arrivals(c, engines, n, every_s)
+
+
+def test_a_copy_of_a_prefix_in_demand_shares_its_price_with_the_requests_it_will_serve() -> None:
+    """a alone holds a document, behind a queue of 1.2 s; b is idle but its own conversations
+    arrive at 2 a second. Computing the document on b (0.9 s) is charged the wait it adds for
+    them: 0.9 x (1 + 0.9 x 2) = 2.52 s against a's 1.25 x (1 + 0.05 x 2) = 1.375 s. With the
+    document asked for 5 times a second, the copy also serves the 6 requests expected while a's
+    queue lasts: b's charge is shared by 7 (0.9 x (1 + 0.9 x 2 / 7) = 1.13 s) and b computes it."""
+    cands = [Candidate("a", 1.2, 0.05, 24), Candidate("b", 0.0, 0.9, 2)]
+    c = Chooser(Edge(), window_s=10.0)
+    _bound(c, ("a", "b"), 40, 0.25)  # 2 a second each, won by each engine's cache
+    assert c.rates(9.75) == pytest.approx({"a": 2.0, "b": 2.0})
+    assert c.choose(cands, now=10.0, demand=0.0).engine == "a"  # control: no demand counted
+    hot = Chooser(Edge(), window_s=10.0)
+    _bound(hot, ("a", "b"), 40, 0.25)
+    got = hot.choose(cands, now=10.0, demand=5.0)
+    assert (got.engine, got.reason, got.predicted_s) == ("b", QUEUE, pytest.approx(0.9))
+
+
+def test_the_share_needs_a_queue_at_the_holder_and_leaves_the_holders_own_price_alone() -> None:
+    # No queue at a: copies = 1 whatever the demand, and a's cache wins as without it.
+    c = Chooser(Edge(), window_s=10.0)
+    _bound(c, ("a", "b"), 40, 0.25)
+    idle = [Candidate("a", 0.0, 0.05, 0), Candidate("b", 0.0, 0.9, 0)]
+    assert c.choose(idle, now=10.0, demand=100.0).engine == "a"
+    # The holder is charged its own term in full: a hot prefix does not make its queue cheaper.
+    # a: 1.25 x (1 + 0.05 x 2) = 1.375; c at 1.3 s of queue and a's price: 1.35 x 1.1 = 1.485.
+    two = Chooser(Edge(0.0, 0.0), window_s=10.0)
+    _bound(two, ("a", "c"), 40, 0.25)
+    same_price = [Candidate("a", 1.2, 0.05, 0), Candidate("c", 1.3, 0.05, 0)]
+    assert two.choose(same_price, now=10.0, demand=100.0).engine == "a"
+
+
+def test_in_held_the_holders_are_the_best_served_and_a_floor_below_them_is_not_shared() -> None:
+    c = Chooser(Edge(0.001, 0.05), window_s=10.0)
+    _bound(c, ("a", "b"), 40, 0.25)
+    holder = [Candidate("a", 1.2, 0.05, 24)]
+    floors = [Candidate("b", 0.0, 0.9, 2)]
+    assert c.held(holder, floors, now=10.0) is not None  # b's floor 2.52 s, beyond a's 1.375 s
+    # The document in demand: b's floor, shared by 7, is 1.13 s, within reach: ask Locate.
+    assert c.held(holder, floors, now=10.0, demand=5.0) is None
+    # A floor priced under the holders is a lower bound, not an engine known to hold the prefix:
+    # the holders stay the best-served, charged in full (1.375 s), and b's floor at 1.29 x (1 +
+    # 0.04 x 2) = 1.393 s is within the edge: ask Locate. Were b taken for the best-served, the
+    # holder would be charged as a copy (1.25 x (1 + 0.05 x 2 / 7.25) = 1.267 s), b would lie
+    # beyond the edge and the request would be held at a without Locate.
+    low = [Candidate("b", 1.25, 0.04, 2)]
+    assert c.held(holder, low, now=10.0, demand=5.0) is None
+    assert c.held(holder, low, now=10.0, demand=0.0) is None  # the same without demand

@@ -10,6 +10,7 @@ from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engines import EngineSpec
 from kvtier.router.held_rule import HeldRule
 from kvtier.router.pace import Pace
+from kvtier.router.prefix_demand import PrefixDemand
 from kvtier.router.queue_model import QueueModel
 from kvtier.server.locate import Located
 
@@ -25,8 +26,9 @@ class World:
         self.cached = EngineCacheView([e.name for e in engines], default_blocks=1000)
         self.queue = QueueModel(e.name for e in engines)
         self.pace = Pace(e.name for e in engines)
-        self.rule = HeldRule(engines, self.cached, self.queue, Chooser(Edge()), self.pace, node_bits=1 << 16,
-                             fleet_bits=1 << 18)
+        self.demand = PrefixDemand()
+        self.rule = HeldRule(engines, self.cached, self.queue, Chooser(Edge()), self.pace, self.demand,
+                             node_bits=1 << 16, fleet_bits=1 << 18)
         self.now = 100.0
 
     def digests(self, tokens: list[int]) -> tuple[bytes, ...]:

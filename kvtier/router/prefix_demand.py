@@ -1,0 +1,82 @@
+"""How often requests for a prefix arrived lately: what a copy of it on another engine would serve.
+
+The chooser (kvtier/router/choice.py) charges an engine the wait its work adds for the requests
+bound to it. For an engine that would compute a copy of a prefix another engine holds, that charge
+is the whole price of the copy, while the copy also serves the requests for the same prefix that
+arrive while the holder's queue lasts: without counting them, a document every tenant asks for
+stayed on one engine behind a queue of one to two seconds while the others were idle (the fleet
+simulator's multitenant workload under load, docs/benchmarks.md). This counts them: per block
+digest (kvtier/router/engine_cache.py), the requests of the last ``window_s`` whose prompt held it.
+
+A digest chains its whole prefix, so the requests that held a prompt's ``k``-th digest are those
+that shared its first ``k`` blocks. Digests are keyed per router process and carry no tokens.
+
+Memory: each request's digest tuple (the one the router already keeps) and one count per distinct
+digest in the window. Beyond ``max_digests`` counted digests the oldest requests are forgotten
+early; rates then read low, and low rates change the choice towards the rule without this count.
+
+Protocol: ``rate(digests, depth, now)`` while deciding a request -> ``arrived(digests, now)`` once
+it is routed (so a request does not count itself). Times are ``time.monotonic()`` seconds, given by
+the caller, non-decreasing. Event-loop only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+#: Seconds of arrivals counted (the chooser's own rate window).
+WINDOW_S = 30.0
+#: Distinct digests counted at most.
+MAX_DIGESTS = 1 << 20
+
+
+class PrefixDemand:
+    """Counts of the module docstring.
+
+    Invariant: ``_counts[d]`` is the number of requests in ``_requests`` whose digests include
+    ``d`` (absent: none), and ``len(_counts) <= max_digests`` after every call.
+    """
+
+    def __init__(self, window_s: float = WINDOW_S, max_digests: int = MAX_DIGESTS) -> None:
+        assert window_s > 0 and max_digests > 0
+        self.window_s = window_s
+        self.max_digests = max_digests
+        self._requests: deque[tuple[float, tuple[Hashable, ...]]] = deque()  # oldest first
+        self._counts: dict[Hashable, int] = {}
+
+    def arrived(self, digests: Sequence[Hashable], now: float) -> None:
+        """A request whose prompt has these digests was routed."""
+        self._expire(now)
+        if not digests:
+            return
+        kept = tuple(dict.fromkeys(digests))  # a prompt counts once per digest
+        self._requests.append((now, kept))
+        counts = self._counts
+        for d in kept:
+            counts[d] = counts.get(d, 0) + 1
+        while len(counts) > self.max_digests and self._requests:
+            self._forget()
+
+    def rate(self, digests: Sequence[Hashable], depth: int, now: float) -> float:
+        """Requests per second over the window that shared the prompt's first ``depth`` blocks
+        (0 for ``depth`` 0)."""
+        self._expire(now)
+        if depth <= 0:
+            return 0.0
+        assert depth <= len(digests), (depth, len(digests))
+        return self._counts.get(digests[depth - 1], 0) / self.window_s
+
+    def _expire(self, now: float) -> None:
+        while self._requests and self._requests[0][0] < now - self.window_s:
+            self._forget()
+
+    def _forget(self) -> None:
+        _, kept = self._requests.popleft()
+        counts = self._counts
+        for d in kept:
+            left = counts[d] - 1
+            if left:
+                counts[d] = left
+            else:
+                del counts[d]
