@@ -30,7 +30,7 @@ run index-restart --policies kvtier_index --index-ms 1 --indexer-restart-s 300 &
 run index-stale --policies kvtier_index --index-ms 1 --event-delay-ms 200 --event-loss 0.05 --indexer-restart-s 300
 wait
 run locate-100 --policies kvtier --locate-ms 100
-# The 2 ms runs again, for their lookup counts (their other figures are fleet_sim*.json's).
+# The 2 ms runs again, for their lookup counts (their other figures are fleet_sim*-before-copies.json's).
 run locate-2 --policies kvtier --locate-ms 2
 # The per-daemon Locate rate beyond 32 nodes (Mooncake under load): lookup_rate at 64 and 128 nodes.
 kvtier bench fleet --simulate --nodes 64,128 --trace mooncake --requests 16000 --policies kvtier --load 0.5 \

@@ -1,7 +1,8 @@
 """The table of docs/operations.md, "No shared index", from index_or_locate.sh's JSON files.
 
 usage: python index_or_locate_table.py DIR   (DIR: index_or_locate.sh's output; the 2 ms Locate
-runs are the committed fleet_sim.json and fleet_sim_load.json, whose other policies judge every cell)
+runs are the committed fleet_sim-before-copies.json and fleet_sim_load-before-copies.json, the rule
+these runs had, whose other policies judge every cell)
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ CONFIGS = [("Locate, 0 ms", "locate-0"), ("Locate, 2 ms", None), ("Locate, 10 ms
 
 
 def main(out: Path) -> None:
-    base = {"own": json.loads((RESULTS / "fleet_sim.json").read_text())["runs"],
-            "0.5": json.loads((RESULTS / "fleet_sim_load.json").read_text())["runs"]}
+    base = {"own": json.loads((RESULTS / "fleet_sim-before-copies.json").read_text())["runs"],
+            "0.5": json.loads((RESULTS / "fleet_sim_load-before-copies.json").read_text())["runs"]}
     ref = {(load, r["trace"], r["nodes"]): r for load, rs in base.items() for r in rs if r["policy"] == "kvtier"}
     print("| kvtier's view | cells met | Mooncake x8 p99 / hit | Mooncake x8 load 0.5 | p99 vs 2 ms Locate "
           "(min / max) | hit vs 2 ms (min) | misroutes |")
