@@ -19,7 +19,8 @@ cost less than its own queue wait plus the same plus computing ``r - k_n`` block
 node that was sent a prompt the router could not digest (a batch, a text prompt without a
 tokenizer) may hold anything: its floor is its queue wait alone. ``Chooser.held``
 (kvtier/router/choice.py) decides among the holders when every floor lies beyond the edge of the
-best; otherwise None, and the router asks ``Locate``.
+best, with the demand for the prompt's first ``r`` blocks (kvtier/router/prefix_demand.py) sharing
+a copy's charge as ``Locate``'s path would; otherwise None, and the router asks ``Locate``.
 
 Prices are estimates where ``Locate`` uses the cost model: the new blocks at the holders'
 measured mean prefill (the highest, one price for all holders; before any is measured, None); a
