@@ -1,8 +1,9 @@
 """The table of docs/operations.md, "No shared index", from index_or_locate.sh's JSON files.
 
-usage: python index_or_locate_table.py DIR   (DIR: index_or_locate.sh's output; the 2 ms Locate
-runs are the committed fleet_sim-before-copies.json and fleet_sim_load-before-copies.json, the rule
-these runs had, whose other policies judge every cell)
+usage: python index_or_locate_table.py DIR [SUFFIX]   (DIR: index_or_locate.sh's output; the 2 ms
+Locate runs are the committed fleet_sim{SUFFIX}.json and fleet_sim_load{SUFFIX}.json, run under the
+same rule as DIR's, whose other policies judge every cell. SUFFIX: "-before-copies" (default) for
+index/, measured before a copy's charge was shared; "" for index-copies/, after)
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ CONFIGS = [("Locate, 0 ms", "locate-0"), ("Locate, 2 ms", None), ("Locate, 10 ms
            ("index, all three", "index-stale")]
 
 
-def main(out: Path) -> None:
-    base = {"own": json.loads((RESULTS / "fleet_sim-before-copies.json").read_text())["runs"],
-            "0.5": json.loads((RESULTS / "fleet_sim_load-before-copies.json").read_text())["runs"]}
+def main(out: Path, suffix: str) -> None:
+    base = {"own": json.loads((RESULTS / f"fleet_sim{suffix}.json").read_text())["runs"],
+            "0.5": json.loads((RESULTS / f"fleet_sim_load{suffix}.json").read_text())["runs"]}
     ref = {(load, r["trace"], r["nodes"]): r for load, rs in base.items() for r in rs if r["policy"] == "kvtier"}
     print("| kvtier's view | cells met | Mooncake x8 p99 / hit | Mooncake x8 load 0.5 | p99 vs 2 ms Locate "
           "(min / max) | hit vs 2 ms (min) | misroutes |")
@@ -49,4 +50,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "-before-copies")
