@@ -11,9 +11,10 @@ digest (kvtier/router/engine_cache.py), the requests of the last ``window_s`` wh
 A digest chains its whole prefix, so the requests that held a prompt's ``k``-th digest are those
 that shared its first ``k`` blocks. Digests are keyed per router process and carry no tokens.
 
-Memory: each request's digest tuple (the one the router already keeps) and one count per distinct
-digest in the window. Beyond ``max_digests`` counted digests the oldest requests are forgotten
-early; rates then read low, and low rates change the choice towards the rule without this count.
+Memory: per request in the window a tuple of its digests (references to the digests the router
+already made) and one count per distinct digest. Beyond ``max_entries`` digests held in all, the
+oldest requests are forgotten early; rates then read low, and low rates move the choice towards the
+rule without this count.
 
 Protocol: ``rate(digests, depth, now)`` while deciding a request -> ``arrived(digests, now)`` once
 it is routed (so a request does not count itself). Times are ``time.monotonic()`` seconds, given by
@@ -27,23 +28,25 @@ from collections.abc import Hashable, Sequence
 
 #: Seconds of arrivals counted (the chooser's own rate window).
 WINDOW_S = 30.0
-#: Distinct digests counted at most.
-MAX_DIGESTS = 1 << 20
+#: Digests held at most, over every request in the window (so distinct digests too).
+MAX_ENTRIES = 1 << 20
 
 
 class PrefixDemand:
     """Counts of the module docstring.
 
-    Invariant: ``_counts[d]`` is the number of requests in ``_requests`` whose digests include
-    ``d`` (absent: none), and ``len(_counts) <= max_digests`` after every call.
+    Invariants: ``_counts[d]`` is the number of requests in ``_requests`` whose digests include
+    ``d`` (absent: none); ``_entries`` is the sum of their digest counts, at most ``max_entries``
+    after every call.
     """
 
-    def __init__(self, window_s: float = WINDOW_S, max_digests: int = MAX_DIGESTS) -> None:
-        assert window_s > 0 and max_digests > 0
+    def __init__(self, window_s: float = WINDOW_S, max_entries: int = MAX_ENTRIES) -> None:
+        assert window_s > 0 and max_entries > 0
         self.window_s = window_s
-        self.max_digests = max_digests
+        self.max_entries = max_entries
         self._requests: deque[tuple[float, tuple[Hashable, ...]]] = deque()  # oldest first
         self._counts: dict[Hashable, int] = {}
+        self._entries = 0
 
     def arrived(self, digests: Sequence[Hashable], now: float) -> None:
         """A request whose prompt has these digests was routed."""
@@ -52,11 +55,12 @@ class PrefixDemand:
             return
         kept = tuple(dict.fromkeys(digests))  # a prompt counts once per digest
         self._requests.append((now, kept))
+        self._entries += len(kept)
         counts = self._counts
         for d in kept:
             counts[d] = counts.get(d, 0) + 1
-        while len(counts) > self.max_digests and self._requests:
-            self._forget()
+        while self._entries > self.max_entries:
+            self._forget()  # a prompt longer than the bound leaves nothing held: its demand reads 0
 
     def rate(self, digests: Sequence[Hashable], depth: int, now: float) -> float:
         """Requests per second over the window that shared the prompt's first ``depth`` blocks
@@ -73,6 +77,7 @@ class PrefixDemand:
 
     def _forget(self) -> None:
         _, kept = self._requests.popleft()
+        self._entries -= len(kept)
         counts = self._counts
         for d in kept:
             left = counts[d] - 1

@@ -40,15 +40,20 @@ def test_arrivals_older_than_the_window_are_forgotten() -> None:
     assert d._counts == {}  # nothing kept once every request left the window
 
 
-def test_beyond_max_digests_the_oldest_requests_are_forgotten_early_and_rates_read_low() -> None:
-    d = PrefixDemand(window_s=100.0, max_digests=4)
+def test_beyond_max_entries_the_oldest_requests_are_forgotten_early_and_rates_read_low() -> None:
+    d = PrefixDemand(window_s=100.0, max_entries=4)
     d.arrived(("a0", "a1"), now=0.0)
     d.arrived(("b0", "b1"), now=1.0)
     assert d.rate(("a0", "a1"), 2, now=1.0) == pytest.approx(0.01)
-    d.arrived(("c0",), now=2.0)  # 5 digests: the oldest request goes
-    assert len(d._counts) <= 4
+    d.arrived(("c0",), now=2.0)  # 5 digests held: the oldest request goes
+    assert d._entries == 3 and set(d._counts) == {"b0", "b1", "c0"}
     assert d.rate(("a0", "a1"), 2, now=2.0) == 0.0
     assert d.rate(("b0", "b1"), 2, now=2.0) == pytest.approx(0.01)
+    # Shared digests count against the bound once per request that holds them.
+    d.arrived(("c0",), now=3.0)
+    assert d._entries == 4 and d.rate(("c0",), 1, now=3.0) == pytest.approx(0.02)
+    d.arrived(tuple(f"long{i}" for i in range(5)), now=4.0)  # longer than the bound: nothing kept
+    assert d._entries == 0 and d._counts == {}
 
 
 def test_a_depth_beyond_the_prompt_is_a_bug() -> None:
