@@ -43,6 +43,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvtier.router.ref_counts import release
+
 DIGEST_BYTES = 16
 
 
@@ -126,13 +128,7 @@ class EngineCacheView:
         entry = self._tickets.pop(ticket.id, None)
         if entry is not None:
             engine, digests = entry
-            pending = self._pending[engine]
-            for d in digests:
-                left = pending[d] - 1
-                if left:
-                    pending[d] = left
-                else:
-                    del pending[d]
+            release(self._pending[engine], digests)
         return entry
 
     def capacity(self, engine: str, blocks: int) -> None:

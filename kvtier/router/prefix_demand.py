@@ -13,8 +13,8 @@ that shared its first ``k`` blocks. Digests are keyed per router process and car
 
 Memory: per request in the window a tuple of its digests (references to the digests the router
 already made) and one count per distinct digest. Beyond ``max_entries`` digests held in all, the
-oldest requests are forgotten early; rates then read low, and low rates move the choice towards the
-rule without this count.
+oldest requests are forgotten early (logged once as a warning); rates then read low, and low rates
+move the choice towards the rule without this count.
 
 Protocol: ``rate(digests, depth, now)`` while deciding a request -> ``arrived(digests, now)`` once
 it is routed (so a request does not count itself). Times are ``time.monotonic()`` seconds, given by
@@ -23,8 +23,13 @@ the caller, non-decreasing. Event-loop only.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Hashable, Sequence
+
+from kvtier.router.ref_counts import release
+
+log = logging.getLogger("kvtier.router")
 
 #: Seconds of arrivals counted (the chooser's own rate window).
 WINDOW_S = 30.0
@@ -47,6 +52,7 @@ class PrefixDemand:
         self._requests: deque[tuple[float, tuple[Hashable, ...]]] = deque()  # oldest first
         self._counts: dict[Hashable, int] = {}
         self._entries = 0
+        self._warned = False
 
     def arrived(self, digests: Sequence[Hashable], now: float) -> None:
         """A request whose prompt has these digests was routed."""
@@ -59,6 +65,11 @@ class PrefixDemand:
         counts = self._counts
         for d in kept:
             counts[d] = counts.get(d, 0) + 1
+        if self._entries > self.max_entries and not self._warned:
+            self._warned = True
+            log.warning("prefix demand: more than %d block digests in %.0f s of requests; the oldest are "
+                        "forgotten early, so demand reads low (kvtier/router/prefix_demand.py)",
+                        self.max_entries, self.window_s)
         while self._entries > self.max_entries:
             self._forget()  # a prompt longer than the bound leaves nothing held: its demand reads 0
 
@@ -78,10 +89,4 @@ class PrefixDemand:
     def _forget(self) -> None:
         _, kept = self._requests.popleft()
         self._entries -= len(kept)
-        counts = self._counts
-        for d in kept:
-            left = counts[d] - 1
-            if left:
-                counts[d] = left
-            else:
-                del counts[d]
+        release(self._counts, kept)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvtier.router.prefix_demand import PrefixDemand
@@ -59,3 +61,14 @@ def test_beyond_max_entries_the_oldest_requests_are_forgotten_early_and_rates_re
 def test_a_depth_beyond_the_prompt_is_a_bug() -> None:
     with pytest.raises(AssertionError):
         PrefixDemand().rate(DOC, 4, now=0.0)
+
+
+def test_the_bound_cutting_the_window_short_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    d = PrefixDemand(window_s=100.0, max_entries=2)
+    with caplog.at_level(logging.WARNING, logger="kvtier.router"):
+        d.arrived(("a0", "a1"), now=0.0)
+        assert not caplog.records  # within the bound: nothing to say
+        d.arrived(("b0",), now=1.0)
+        d.arrived(("c0",), now=2.0)
+    warned = [r for r in caplog.records if "forgotten early" in r.getMessage()]
+    assert len(warned) == 1
