@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engines predicted within this of the best are tied and balanced by load (default 1)")
     p.add_argument("--edge-rel", type=float, default=0.05, metavar="FRACTION",
                    help="... or within this fraction of the best, when larger (default 0.05)")
+    p.add_argument("--keep-quantile", type=float, default=0.95, metavar="FRACTION",
+                   help="keep a request with the engine holding its prefix, though another would start it "
+                        "sooner, while its predicted time to first token there stays within this quantile of "
+                        "the service prices chosen lately (the last 2,000 decisions): it saves that engine's "
+                        "computation without lengthening the tail. 0: always the fastest (default 0.95)")
     p.add_argument("--queue-prior-ms", type=float, default=100.0, metavar="MS",
                    help="a queued request's wait before any prefill was measured, without a Locate price "
                         "(default 100)")
@@ -113,6 +118,8 @@ def settings(args: argparse.Namespace) -> RouterSettings:
         raise ConfigError("--edge-ms and --edge-rel: must not be negative")
     if args.queue_prior_ms < 0:
         raise ConfigError("--queue-prior-ms: must not be negative")
+    if not 0 <= args.keep_quantile < 1:
+        raise ConfigError(f"--keep-quantile: must be in [0, 1), got {args.keep_quantile}")
     if not args.max_body_mb > 0:
         raise ConfigError("--max-body-mb: must be positive")
     if args.engine_cache_blocks < 0:
@@ -124,6 +131,7 @@ def settings(args: argparse.Namespace) -> RouterSettings:
                           probe_s=_ms("probe-ms", args.probe_ms),
                           connect_timeout_s=_ms("connect-timeout-ms", args.connect_timeout_ms),
                           max_attempts=args.max_attempts, edge=Edge(args.edge_ms / 1e3, args.edge_rel),
+                          keep_quantile=args.keep_quantile,
                           queue_prior_s=args.queue_prior_ms / 1e3, engine_cache_blocks=args.engine_cache_blocks,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)),
                           skip_locate=not args.locate_every_request,

@@ -56,6 +56,7 @@ from kvtier.router.prefix_demand import PrefixDemand
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
 from kvtier.router.queue_model import QueueModel
+from kvtier.router.service_tail import ServiceTail
 from kvtier.server.locate import Located
 
 log = logging.getLogger("kvtier.router")
@@ -71,6 +72,9 @@ class RouterSettings:
     connect_timeout_s: float = 2.0
     max_attempts: int = 3
     edge: Edge = field(default_factory=Edge)
+    #: Keep a request with its cache while its prediction there is within this quantile of the
+    #: service prices chosen lately (kvtier/router/choice.py); 0: never.
+    keep_quantile: float = 0.95
     #: Per-request queue wait before any prefill was measured and without a Locate price.
     queue_prior_s: float = 0.1
     #: Blocks of an engine's own prefix cache until it reports its size (vLLM's
@@ -92,6 +96,8 @@ class RouterSettings:
             raise ConfigError("max_attempts: at least 1")
         if self.queue_prior_s < 0:
             raise ConfigError("queue_prior_s: must not be negative")
+        if not 0 <= self.keep_quantile < 1:
+            raise ConfigError("keep_quantile: must be in [0, 1)")
         if self.engine_cache_blocks < 0:
             raise ConfigError("engine_cache_blocks: must not be negative")
         if self.locate_budget_min_s is not None and self.locate_budget_min_s < 0:
@@ -116,7 +122,8 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.queue = QueueModel(e.name for e in self.engines)
         self.cached = EngineCacheView((e.name for e in self.engines), settings.engine_cache_blocks)
-        self.chooser = Chooser(settings.edge)
+        q = settings.keep_quantile
+        self.chooser = Chooser(settings.edge, tail=ServiceTail(quantile=q) if q else None)
         #: The engines' pace against the cost model's prices (kvtier/router/pace.py).
         self.pace = Pace(e.name for e in self.engines)
         #: How often each prefix was asked for lately (kvtier/router/prefix_demand.py).

@@ -533,6 +533,7 @@ def test_route_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--engine", "a=http://h:1", "--token-file", str(good)], "without nodes"),
         (["--engine", "a=http://h:1", "--listen", "nowhere"], "--listen"),
         (["--engine", "a=http://h:1", "--poll-ms", "0"], "--poll-ms"),
+        (["--engine", "a=http://h:1", "--keep-quantile", "1"], "--keep-quantile: must be in [0, 1)"),
         (["--engine", "a=http://h:1", "--tokenizer", str(tmp_path / "none")], "not a directory"),
     ]
     for argv, words in cases:

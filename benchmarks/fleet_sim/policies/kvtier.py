@@ -19,6 +19,10 @@ edge of the best (1 ms, or 5 % of it: ``Edge()``, ``kvtier route``'s ``--edge-ms
 ``--edge-rel`` defaults) are tied, and the least loaded of them wins, then a rotation. So a
 one-block edge (the shared system prompt) does not pull every new conversation onto the nodes that
 happen to hold it.
+A request the rule would send away from the nodes that serve it cheapest is kept with them while
+its prediction there lies within the 95th percentile of the service prices of the last 2,000
+choices (``ServiceTail``, kvtier/router/service_tail.py: ``kvtier route``'s ``--keep-quantile``
+default).
 
 Queue wait is the router's own bookkeeping: the predicted service times of the requests it sent
 to the node that have not had their first token yet, less the time the oldest of them has been at
@@ -55,6 +59,7 @@ from benchmarks.fleet_sim.requests import SimRequest
 from kvtier.router.choice import Candidate, Chooser, Edge
 from kvtier.router.engine_cache import EngineCacheView, Pending
 from kvtier.router.prefix_demand import PrefixDemand
+from kvtier.router.service_tail import ServiceTail
 
 
 @register
@@ -69,7 +74,7 @@ class Kvtier(Policy):
         self._queued_s = [0.0] * n
         self._head_since = [0.0] * n
         self._predicted = [0.0] * n
-        self.chooser = Chooser(Edge())
+        self.chooser = Chooser(Edge(), tail=ServiceTail())
         self._delay = self.decision_delay_s  # the last choice's
         # Per node, the blocks it may hold (routed there, or found there by Locate), and the
         # union (kvtier route: HeldRule's Bloom filters, exact here).

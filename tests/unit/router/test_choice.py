@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.router.choice import BALANCED, CACHE, HELD, QUEUE, Candidate, Chooser, Edge
+from kvtier.router.choice import BALANCED, CACHE, HELD, KEPT, QUEUE, Candidate, Chooser, Edge
+from kvtier.router.service_tail import ServiceTail
 
 
 def test_the_cache_decides_when_it_gives_an_edge() -> None:
@@ -197,3 +198,58 @@ def test_in_held_the_holders_are_the_best_served_and_a_floor_below_them_is_not_s
     low = [Candidate("b", 1.25, 0.04, 2)]
     assert c.held(holder, low, now=10.0, demand=5.0) is None
     assert c.held(holder, low, now=10.0, demand=0.0) is None  # the same without demand
+
+
+def _tail(prices: list[float], quantile: float = 0.95) -> ServiceTail:
+    t = ServiceTail(samples=100, quantile=quantile, min_samples=10)
+    for p in prices:
+        t.add(p)
+    return t
+
+
+def test_a_request_is_kept_with_its_cache_while_its_prediction_there_is_within_the_tail() -> None:
+    # The holder b: a queue of 0.3 s, then 10 ms; a: idle, 0.2 s to compute the prefix.
+    cands = [Candidate("a", 0.0, 0.200, 0), Candidate("b", 0.3, 0.010, 1)]
+    # Control: without a tail the rule sends it to a, for the shorter queue.
+    assert Chooser(Edge(), tail=None).choose(cands, 100.0).reason == QUEUE
+    # 95th percentile of the prices chosen lately: 0.5 s; b's 0.31 s lies within it.
+    kept = Chooser(Edge(), tail=_tail([0.05] * 90 + [0.5] * 10)).choose(cands, 100.0)
+    assert (kept.engine, kept.reason, kept.predicted_s) == ("b", KEPT, pytest.approx(0.31))
+    # Beyond it (a tail of 0.25 s), the rule's choice stands.
+    assert Chooser(Edge(), tail=_tail([0.05] * 90 + [0.25] * 10)).choose(cands, 100.0).engine == "a"
+
+
+def test_nothing_is_kept_before_the_tail_has_samples_and_each_decision_adds_its_choice() -> None:
+    cands = [Candidate("a", 0.0, 0.200, 0), Candidate("b", 0.3, 0.010, 1)]
+    t = ServiceTail(samples=100, quantile=0.95, min_samples=10)
+    c = Chooser(Edge(), tail=t)
+    for _ in range(9):
+        t.add(1.0)
+    assert t.value() is None
+    assert c.choose(cands, 1.0).engine == "a"  # no threshold yet; the decision adds a's 0.2 s
+    assert t.value() == 1.0
+    assert c.choose(cands, 2.0).engine == "b"
+    assert c.rates(2.0) == {"b": 1 / c.window_s}  # kept for its cache: counted in b's rate
+    assert Chooser(Edge(), tail=t).choose(cands).engine == "a"  # no time given: the prediction alone
+
+
+def test_a_kept_request_goes_to_the_engine_with_the_least_work_not_to_a_new_copy() -> None:
+    tail = [0.05] * 90 + [2.0] * 10
+    # b holds the prefix behind a queue; a and c are idle and would compute it.
+    cands = [Candidate("a", 0.0, 0.200, 0), Candidate("b", 0.6, 0.010, 1), Candidate("c", 0.0, 0.150, 0)]
+    assert Chooser(Edge(), tail=_tail(tail)).choose(cands, 100.0).engine == "b"
+    # The rule's choice is already the best-served engine: never moved to a copy, however many
+    # requests share the prefix (a copy's work is divided among them).
+    best = [Candidate("a", 0.0, 0.200, 0), Candidate("b", 0.05, 0.010, 1)]
+    assert Chooser(Edge(), tail=_tail(tail)).choose(best, 100.0, demand=1000.0).engine == "b"
+
+
+def test_the_service_tail_is_the_quantile_of_its_window() -> None:
+    t = ServiceTail(samples=4, quantile=0.5, min_samples=2)
+    t.add(3.0)
+    assert t.value() is None
+    for v in (1.0, 2.0, 4.0):
+        t.add(v)
+    assert t.value() == 3.0  # sorted 1, 2, 3, 4: index int(0.5 x 4) = 2
+    t.add(0.5)  # 3.0 leaves the window: 0.5, 1, 2, 4
+    assert t.value() == 2.0
