@@ -49,7 +49,7 @@ def rates(self: rule.Chooser, now: float) -> dict[str, float]:
     return {e: r / (1.0 - min(RHO_CAP, max(0.0, sums.get(e, 0.0) / self.window_s))) for e, r in out.items()}
 
 
-def decide(self: rule.Chooser, candidates, floors, now):  # type: ignore[no-untyped-def]
+def decide(self: rule.Chooser, candidates, floors, now, demand=0.0):  # type: ignore[no-untyped-def]
     """The rule unchanged but for its inputs: ``tie`` orders the load it breaks ties with by the
     rate of bound requests too; ``rho`` records the work each cache-bound choice sends."""
     if VARIANT == "tie" and now is not None:
@@ -63,7 +63,7 @@ def decide(self: rule.Chooser, candidates, floors, now):  # type: ignore[no-unty
             return c.load * span + rank[c.engine] if TIE == "load_then_rate" else rank[c.engine] * most + c.load
 
         candidates = [rule.Candidate(c.engine, c.wait_s, c.service_s, load(c)) for c in candidates]
-    choice = _decide(self, candidates, floors, now)
+    choice = _decide(self, candidates, floors, now, demand)
     if VARIANT == "rho" and choice is not None and now is not None and choice.reason in (rule.CACHE, rule.HELD):
         c = next(c for c in candidates if c.engine == choice.engine)
         self.__dict__.setdefault("_work", deque()).append((now, c.engine, c.service_s))

@@ -29,11 +29,11 @@ moves = {"moves": 0, "choices": 0}
 _choose = rule.Chooser.choose
 
 
-def choose(self: rule.Chooser, candidates, now=None) -> rule.Choice:  # type: ignore[no-untyped-def]
+def choose(self: rule.Chooser, candidates, now=None, demand=0.0) -> rule.Choice:  # type: ignore[no-untyped-def]
     cheapest = min(c.service_s for c in candidates)
     charged = [rule.Candidate(c.engine, c.wait_s + BETA * (c.service_s - cheapest), c.service_s, c.load)
                for c in candidates]
-    picked = _choose(self, charged if BETA else candidates, now)
+    picked = _choose(self, charged if BETA else candidates, now, demand)
     chosen = next(c for c in candidates if c.engine == picked.engine)
     moves["choices"] += 1
     moves["moves"] += chosen.service_s > cheapest
