@@ -76,10 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--edge-rel", type=float, default=0.05, metavar="FRACTION",
                    help="... or within this fraction of the best, when larger (default 0.05)")
     p.add_argument("--keep-quantile", type=float, default=0.95, metavar="FRACTION",
-                   help="keep a request with the engine holding its prefix, though another would start it "
-                        "sooner, while its predicted time to first token there stays within this quantile of "
-                        "the service prices chosen lately (the last 2,000 decisions): it saves that engine's "
-                        "computation without lengthening the tail. 0: always the fastest (default 0.95)")
+                   help="keep a request with the engine whose service price is lowest (by more than the "
+                        "edge), though another would start it sooner, while its predicted time to first token "
+                        "there stays within this quantile of the service prices of the last 2,000 priced "
+                        "decisions: it saves computation without lengthening the tail. 0: never, the rule's "
+                        "choice stands (default 0.95)")
     p.add_argument("--queue-prior-ms", type=float, default=100.0, metavar="MS",
                    help="a queued request's wait before any prefill was measured, without a Locate price "
                         "(default 100)")

@@ -16,8 +16,8 @@ reach it before that first token::
 
     cost = predicted + service x rate_e x predicted
 
-with ``rate_e`` the requests this chooser sent to that engine *for its cache* (reason ``cache``
-or ``held``, below) per second over the last ``RATE_WINDOW_S`` (the caller gives the arrival times; a retry is
+with ``rate_e`` the requests this chooser sent to that engine *for its cache* (reason ``cache``,
+``held`` or ``kept``, below) per second over the last ``RATE_WINDOW_S`` (the caller gives the arrival times; a retry is
 not an arrival). Without the term a request that finds its prefix on a busy engine recomputes it
 on an idle one whenever that is faster for itself; at high load those recomputations use up the
 capacity every later request needs. The requests that will wait behind this one are those bound
@@ -75,24 +75,24 @@ wins with a lower price than every other engine's is ``held`` (counted in its ra
 ``cache``); tied holders are ``balanced``; one ahead by its queue alone is ``queue``. Any floor
 closer is left to ``Locate``, where a tie may spread the request to that engine.
 
-A choice away from the best-served engines (by its queue, or by balance) saves this request time
-and costs the fleet the computation of what they hold. When a router gives the chooser a
-``ServiceTail`` (kvtier/router/service_tail.py: the 95th percentile of the service prices its
-last 2,000 choices had), the request is ``kept`` instead on the engine with the least work (its
-service price; a copy's divided by ``copies``) among those whose prediction lies within that tail
-and whose work is less than the choice's: the slowest 5 % of requests take that long to serve
-wherever they go, so a request that finishes within it does not lengthen the tail (counted in the
-engine's rate like ``cache``). A threshold taken from measured TTFTs instead rose with the waits
-it allowed. In the fleet simulator this raised the token hit rate in every cell, most on the
-Mooncake trace: 0.685 -> 0.699 at 8 nodes, 0.657 -> 0.675 and 0.675 -> 0.694 under load
-(docs/benchmarks.md). Without a tail (``tail=None``), or before it has ``min_samples`` prices,
-nothing is kept.
+A choice away from the engine with the lowest service price (by its queue, or by balance) saves this
+request time and costs the fleet what that engine would not have computed. When a router gives the
+chooser a ``ServiceTail`` (kvtier/router/service_tail.py: the 95th percentile of the service
+prices of its last 2,000 priced choices), the request is ``kept`` instead on the engine with the
+lowest service price among those whose prediction lies within that tail and whose price is below
+the choice's by more than the edge: the slowest 5 % of requests take that long to serve wherever
+they go, so a request that finishes within it does not lengthen the tail (counted in the engine's
+rate like ``cache``). A threshold taken from measured TTFTs instead rose with the waits it
+allowed. In the fleet simulator this raised the token hit rate in 16 of 68 cells and lowered it
+in none, most on the Mooncake trace: 0.685 -> 0.699 at 8 nodes; under load 0.657 -> 0.675 at 8
+and 0.675 -> 0.694 at 32 (docs/benchmarks.md). Without a tail (``tail=None``), or before it has
+``min_samples`` prices, nothing is kept.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.router.service_tail import ServiceTail
@@ -152,7 +152,7 @@ class Chooser:
         self._counts: dict[str, int] = {}  # per engine, its entries in _arrivals
 
     def rates(self, now: float) -> dict[str, float]:
-        """Per engine, the requests this chooser sent it for its cache (reason ``cache`` or ``held``) per
+        """Per engine, the requests this chooser sent it for its cache (``cache``, ``held``, ``kept``) per
         second over the window ending at ``now`` (non-decreasing); an engine sent none in the
         window is absent (0)."""
         arr, counts = self._arrivals, self._counts
@@ -217,28 +217,26 @@ class Chooser:
         if now is None:
             return choice
         if self.tail is not None:
-            # Only a choice away from the best-served engines can be one away from the cache.
-            kept = (self._kept(choice, candidates, lambda c: c.service_s / share(c))
-                    if choice.service_s > served else None)
-            self.tail.add(choice.service_s)
+            kept = self._kept(choice, candidates)
+            if served > 0:  # a decision priced: unpriced ones (no token ids, no answer) say nothing of the tail
+                self.tail.add(choice.service_s)
             choice = kept or choice
         if choice.reason in (CACHE, HELD, KEPT):
             self._count(now, choice.engine)
         return choice
 
-    def _kept(self, choice: Choice, candidates: Sequence[Candidate],
-              work: Callable[[Candidate], float]) -> Choice | None:
+    def _kept(self, choice: Choice, candidates: Sequence[Candidate]) -> Choice | None:
         """The engine that keeps the request with its cache within the tail (module docstring),
         or None: the rule's choice stands."""
         tail = self.tail.value() if self.tail is not None else None
         if tail is None:
             return None
-        chosen = next(c for c in candidates if c.engine == choice.engine)
-        least = work(chosen)
-        within = [c for c in candidates if c.predicted_s <= tail and work(c) < least]
+        # Cheaper by more than the edge: a price within it is no cache worth waiting for.
+        cut = choice.service_s - max(self.edge.edge_s, self.edge.edge_rel * choice.service_s)
+        within = [c for c in candidates if c.predicted_s <= tail and c.service_s < cut]
         if not within:
             return None
-        c = min(within, key=lambda c: (work(c), c.predicted_s))
+        c = min(within, key=lambda c: (c.service_s, c.predicted_s))
         return Choice(c.engine, KEPT, c.predicted_s, c.service_s)
 
     def _count(self, now: float, engine: str) -> None:

@@ -233,15 +233,33 @@ def test_nothing_is_kept_before_the_tail_has_samples_and_each_decision_adds_its_
     assert Chooser(Edge(), tail=t).choose(cands).engine == "a"  # no time given: the prediction alone
 
 
-def test_a_kept_request_goes_to_the_engine_with_the_least_work_not_to_a_new_copy() -> None:
+def test_a_kept_request_goes_to_the_lowest_price_and_only_for_more_than_the_edge() -> None:
     tail = [0.05] * 90 + [2.0] * 10
-    # b holds the prefix behind a queue; a and c are idle and would compute it.
+    # b holds the prefix behind a queue; a and c are idle and would compute it, c from its RAM.
     cands = [Candidate("a", 0.0, 0.200, 0), Candidate("b", 0.6, 0.010, 1), Candidate("c", 0.0, 0.150, 0)]
+    assert Chooser(Edge(), tail=None).choose(cands, 100.0).engine == "c"  # control: the shorter queue
     assert Chooser(Edge(), tail=_tail(tail)).choose(cands, 100.0).engine == "b"
-    # The rule's choice is already the best-served engine: never moved to a copy, however many
-    # requests share the prefix (a copy's work is divided among them).
-    best = [Candidate("a", 0.0, 0.200, 0), Candidate("b", 0.05, 0.010, 1)]
-    assert Chooser(Edge(), tail=_tail(tail)).choose(best, 100.0, demand=1000.0).engine == "b"
+    # However many requests share the prefix, a copy's shared price is not its work: still b.
+    assert Chooser(Edge(), tail=_tail(tail)).choose(cands, 100.0, demand=1000.0).engine == "b"
+    # Prices within the edge (here paces 2 % apart, nothing cached): no cache worth waiting for,
+    # the rule's choice and its balancing stand.
+    near = [Candidate("a", 0.2, 0.100, 0), Candidate("b", 0.0, 0.102, 0)]
+    assert Chooser(Edge(), tail=_tail(tail)).choose(near, 100.0).engine == "b"
+    assert Chooser(Edge(), tail=_tail(tail)).choose(
+        [Candidate("a", 0.2, 0.090, 0), Candidate("b", 0.0, 0.102, 0)], 100.0).engine == "a"  # 12 %: kept
+
+
+def test_unpriced_decisions_and_retries_leave_the_tail_alone() -> None:
+    t = ServiceTail(samples=100, quantile=0.95, min_samples=1)
+    c = Chooser(Edge(), tail=t)
+    unpriced = [Candidate("a", 0.0, 0.0, 0), Candidate("b", 0.1, 0.0, 1)]  # no Locate answer, no token ids
+    for i in range(20):
+        c.choose(unpriced, float(i))
+    priced = [Candidate("a", 0.0, 0.200, 0), Candidate("b", 0.3, 0.010, 1)]
+    c.choose(priced)  # a retry: no time given
+    assert t.value() is None  # nothing added
+    c.choose(priced, 30.0)
+    assert t.value() == 0.200  # the priced decision's choice only
 
 
 def test_the_service_tail_is_the_quantile_of_its_window() -> None:
