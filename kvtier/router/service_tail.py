@@ -7,7 +7,7 @@ the workload take that long to serve wherever they go, so one that finishes with
 lengthen the tail. The prices are the rule's own choices (queue wait excluded), so the threshold
 is a property of the workload's prompts and caches, not of the queues it would let grow: a
 threshold taken from measured TTFTs rose with the waits it allowed (the fleet simulator's
-multitenant workload under load at 32 nodes: p99 571 ms against 470 ms from prices).
+multitenant workload under load at 32 nodes: p99 546 ms against 470 ms from prices).
 
 ``add(service_s)`` per decision, ``value()`` wherever the threshold is compared. Event-loop only.
 """

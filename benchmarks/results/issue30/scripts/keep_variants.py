@@ -4,13 +4,15 @@ tail (kvtier/router/choice.py, ``kept``), tried in the fleet simulator before it
 - ``SOURCE=ttft``: the threshold is the quantile of the measured times to first token of the last
   2,000 requests (fed at each first token), not of the service prices the rule chose. The
   requests it kept made the queues that raised it: on the multitenant workload under load at 32
-  nodes, seed 1, p99 571 ms against 470 ms from prices (seed 3: 446 against 368).
+  nodes, seed 1, p99 546 ms against 470 ms from prices (seed 3: 454 against 368).
 - ``COST=1``: a candidate lies within the tail by its cost (prediction plus the wait its work adds
-  for the requests bound to it) rather than its prediction.
+  for the requests bound to it) rather than its prediction: 43 of 52 cells over seeds 1-3, as the
+  rule adopted, none gained.
 - ``FACTOR=F``: a request whose rule choice is itself beyond the tail may also wait at its cache up
-  to F times that choice's prediction (F 1.5 and 2: 37 of 52 cells against 42 without the rule,
-  the multitenant p99s at 8 and 32 nodes rose from about 160 ms to 210-260 ms).
-- ``QUANTILE=Q``: another quantile than 0.95 (0.9 and 0.99 were tried with the TTFT source).
+  to F times that choice's prediction. F 1.5: 41 of 52 cells against 43; the multitenant p99 under
+  load at 32 nodes rose to 705-989 ms (346-470 ms without).
+- ``QUANTILE=Q``: another quantile than 0.95 (0.9 and 0.99 were tried in a prototype with the TTFT
+  source: 41 and 42 of 52).
 
 Run from the repository root, as ``kvtier`` with the same arguments, for example::
 
@@ -49,25 +51,25 @@ class TtftTail(ServiceTail):
 _kept = rule.Chooser._kept
 
 
-def kept(self, choice, candidates, work):  # type: ignore[no-untyped-def]
+def kept(self, choice, candidates):  # type: ignore[no-untyped-def]
     tail = self.tail.value() if self.tail is not None else None
     if tail is None:
         return None
     if FACTOR and choice.predicted_s > tail:
         tail = max(tail, FACTOR * choice.predicted_s)
     if not COST and not FACTOR:
-        return _kept(self, choice, candidates, work)
+        return _kept(self, choice, candidates)
     # The window's counts as this decision's ``rates(now)`` left them.
     per_s = {e: n / self.window_s for e, n in self._counts.items()}
 
     def value(c: rule.Candidate) -> float:
         return c.predicted_s * (1.0 + c.service_s * per_s.get(c.engine, 0.0)) if COST else c.predicted_s
 
-    chosen = next(c for c in candidates if c.engine == choice.engine)
-    within = [c for c in candidates if value(c) <= tail and work(c) < work(chosen)]
+    cut = choice.service_s - max(self.edge.edge_s, self.edge.edge_rel * choice.service_s)
+    within = [c for c in candidates if value(c) <= tail and c.service_s < cut]
     if not within:
         return None
-    c = min(within, key=lambda c: (work(c), c.predicted_s))
+    c = min(within, key=lambda c: (c.service_s, c.predicted_s))
     return rule.Choice(c.engine, rule.KEPT, c.predicted_s, c.service_s)
 
 
