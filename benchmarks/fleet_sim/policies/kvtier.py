@@ -19,10 +19,10 @@ edge of the best (1 ms, or 5 % of it: ``Edge()``, ``kvtier route``'s ``--edge-ms
 ``--edge-rel`` defaults) are tied, and the least loaded of them wins, then a rotation. So a
 one-block edge (the shared system prompt) does not pull every new conversation onto the nodes that
 happen to hold it.
-A request the rule would send away from the nodes that serve it cheapest is kept with them while
-its prediction there lies within the 95th percentile of the service prices of the last 2,000
-choices (``ServiceTail``, kvtier/router/service_tail.py: ``kvtier route``'s ``--keep-quantile``
-default).
+A request the rule would send away from the node that serves it cheapest is kept on the cheapest
+node priced below its choice by more than the edge, while its prediction there lies within the
+95th percentile of the service prices of the last 2,000 priced choices (``ServiceTail``,
+kvtier/router/service_tail.py: ``kvtier route``'s ``--keep-quantile`` default).
 
 Queue wait is the router's own bookkeeping: the predicted service times of the requests it sent
 to the node that have not had their first token yet, less the time the oldest of them has been at
