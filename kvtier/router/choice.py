@@ -190,11 +190,9 @@ class Chooser:
         served = min(c.service_s for c in candidates)
         copies = 1.0 + demand * min(c.wait_s for c in candidates if c.service_s == served)
 
-        def share(c: Candidate) -> float:
-            return 1.0 if c.service_s <= served else copies
-
         def cost(c: Candidate) -> float:
-            return c.predicted_s * (1.0 + c.service_s * rates.get(c.engine, 0.0) / share(c))
+            share = 1.0 if c.service_s <= served else copies
+            return c.predicted_s * (1.0 + c.service_s * rates.get(c.engine, 0.0) / share)
 
         costs = [cost(c) for c in candidates]
         best = min(costs)
