@@ -54,16 +54,16 @@ VLLM_PYTHON = ROOT / ".venv-vllmcpu" / "bin" / "python"
 BT = 32
 MODEL_ID = "fleet-bench-llama"
 NODES = ("a", "b")
-#: vLLM's engine: CPU cache size (GiB, its "GPU" tier). Its compute threads are bound to cores
-#: of its own (``engine_cores``).
+#: vLLM's engine: CPU cache size (GiB, its "GPU" tier). The engine's processes run on cores of
+#: their own (``engine_cores``, ``pinned_command``).
 ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
               # POST /reset_prefix_cache: every router's run starts from empty engine caches.
               "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def engine_cores(index: int, engines: int, cpus: Sequence[int]) -> str:
-    """The cores engine ``index`` of ``engines`` binds its compute threads to
-    (``VLLM_CPU_OMP_THREADS_BIND``): an equal share of ``cpus`` each, or one core in turn when
+    """The cores engine ``index`` of ``engines`` runs on, its processes (``pinned_command``) and
+    its compute threads (``VLLM_CPU_OMP_THREADS_BIND``): an equal share of ``cpus`` each, or one core in turn when
     there are fewer cores than engines. vLLM's own default ("auto") binds every engine on a host
     to the same cores (it expects one engine per host): two engines would then be one engine's
     compute, and no router could gain anything by spreading load, which a fleet's engines each
@@ -74,6 +74,25 @@ def engine_cores(index: int, engines: int, cpus: Sequence[int]) -> str:
         return str(cpus[index % len(cpus)])
     share = len(cpus) // engines
     return ",".join(str(c) for c in cpus[index * share : (index + 1) * share])
+
+
+def pinned_command(cores: str, cmd: Sequence[str]) -> list[str]:
+    """``cmd`` run with its whole process tree on ``cores`` (``taskset``; children inherit it).
+
+    ``VLLM_CPU_OMP_THREADS_BIND`` binds only an engine's compute threads; its API server and
+    engine-core processes were left to roam every core, and they spin (vLLM's shm_broadcast.py
+    busy-loops with ``sched_yield`` for a second after each message), so each engine took time
+    from the other's compute core. Two engines on two cores then slowed each other by up to 10x:
+    vllm-router ``round_robin``'s TTFT p99 was 1,493 ms with the compute threads bound and 115 ms
+    with the whole engines bound (benchmarks/results/issue30/fleet-1205-1858-compute-threads-bound.json
+    and fleet.json). A fleet's engines have their own accelerators; bound this way they are as
+    close to that as two shared cores allow."""
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise ConfigError("taskset (util-linux) is not installed: the fleet bench runs each engine on cores "
+                          "of its own with it")
+    assert cores, "no cores"
+    return [taskset, "--cpu-list", cores, *cmd]
 MAX_MODEL_LEN = 2048
 SERVER_SECRET = b"fleet-bench-server-secret-0123456789"
 
@@ -208,7 +227,7 @@ class Fleet:
         self._logs.append(log)
         cores = engine_cores(NODES.index(node.name), len(NODES), sorted(os.sched_getaffinity(0)))
         env = {**os.environ, "PYTHONPATH": str(ROOT), **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cores}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env,
+        proc = subprocess.Popen(pinned_command(cores, cmd), cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return Server(proc, f"http://127.0.0.1:{port}", f"engine-{node.name}")
 

@@ -180,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
                        "prefill_measured": prefill, "host": platform.node(),
                        "engine_cores": {n: engine_cores(i, len(NODES), sorted(os.sched_getaffinity(0)))
                                         for i, n in enumerate(NODES)},
+                       "engine_binding": "each engine's whole process tree (taskset) and compute threads "
+                                         "(VLLM_CPU_OMP_THREADS_BIND) on its cores",
                        "reset_between_runs": "saves settled; the previous run's principals purged on both nodes "
                                              "and the bucket; vLLM prefix caches reset; router restarted; new "
                                              "principals and salts per run; public documents kept"}}
