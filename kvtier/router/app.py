@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -123,7 +124,10 @@ class Router:
         self.queue = QueueModel(e.name for e in self.engines)
         self.cached = EngineCacheView((e.name for e in self.engines), settings.engine_cache_blocks)
         q = settings.keep_quantile
-        self.chooser = Chooser(settings.edge, tail=ServiceTail(quantile=q) if q else None)
+        tail = ServiceTail(quantile=q) if q else None
+        self.chooser = Chooser(settings.edge, tail=tail)
+        # Read when scraped: the threshold of the decisions made since the last scrape.
+        self.metrics.keep_tail.set_function(lambda: _threshold(tail))
         #: The engines' pace against the cost model's prices (kvtier/router/pace.py).
         self.pace = Pace(e.name for e in self.engines)
         #: How often each prefix was asked for lately (kvtier/router/prefix_demand.py).
@@ -435,6 +439,12 @@ class Router:
         outcome = "unavailable" if status == 503 else "bad_request"
         self.metrics.requests.labels(endpoint, outcome).inc()
         return web.json_response(error_body(status, message), status=status)
+
+
+def _threshold(tail: ServiceTail | None) -> float:
+    """The tail's value in seconds for ``kvtier_router_keep_tail_seconds`` (NaN: none)."""
+    v = tail.value() if tail is not None else None
+    return math.nan if v is None else v
 
 
 def engine_price_ms(answer: Located, resident: int) -> float | None:

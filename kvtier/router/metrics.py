@@ -42,6 +42,9 @@ class RouterMetrics:
         self.pace = Gauge("kvtier_router_pace", "How much slower than the cost model's price the engine "
                           "computed at its last sample (>= 1; it prices Locate's answers at this pace)",
                           ["engine"], registry=r)
+        self.keep_tail = Gauge("kvtier_router_keep_tail_seconds", "The service price within which a request "
+                               "is kept with its cache (--keep-quantile of the last priced choices' prices; NaN "
+                               "while too few were priced, or with --keep-quantile 0)", registry=r)
         self.late_timeouts = Counter("kvtier_router_late_timeouts", "Timeouts observed after the router's own "
                                      "event loop ran late past them, by peer kind (engine: health poll; "
                                      "node: Locate): the peer's state was kept", ["kind"], registry=r)
