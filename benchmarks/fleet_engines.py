@@ -83,10 +83,11 @@ def pinned_command(cores: str, cmd: Sequence[str]) -> list[str]:
     engine-core processes were left to roam every core, and they spin (vLLM's shm_broadcast.py
     busy-loops with ``sched_yield`` for a second after each message), so each engine took time
     from the other's compute core. Two engines on two cores then slowed each other by up to 10x:
-    vllm-router ``round_robin``'s TTFT p99 was 1,493 ms with the compute threads bound and 115 ms
-    with the whole engines bound (benchmarks/results/issue30/fleet-1205-1858-compute-threads-bound.json
-    and fleet.json). A fleet's engines have their own accelerators; bound this way they are as
-    close to that as two shared cores allow."""
+    vllm-router ``round_robin``'s TTFT p99 was 1,493 ms with the compute threads bound and 115-144
+    ms with the whole engines bound (benchmarks/results/issue30/
+    fleet-1205-1858-compute-threads-bound.json, fleet-1205-2303-before-load-price.json, fleet.json).
+    A fleet's engines have their own accelerators; bound this way they are as close to that as two
+    shared cores allow."""
     taskset = shutil.which("taskset")
     if taskset is None:
         raise ConfigError("taskset (util-linux) is not installed: the fleet bench runs each engine on cores "
@@ -135,6 +136,8 @@ class Fleet:
     token_file: Path | None = None
     prefill: dict[str, float] = field(default_factory=dict)
     _logs: list[Any] = field(default_factory=list)
+    #: The daemons restarted since the engines last attached their shared regions (``calibrate``).
+    _regions_lost: bool = False
 
     # -- start-up ------------------------------------------------------------------------------
     def start(self) -> Fleet:
@@ -232,11 +235,53 @@ class Fleet:
         return Server(proc, f"http://127.0.0.1:{port}", f"engine-{node.name}")
 
     # -- calibration ---------------------------------------------------------------------------
-    def calibrate(self, lengths: Sequence[int] = (64, 1024), reps: int = 4) -> dict[str, float]:
+    def measure_load(self, blocks: int = 8, reps: int = 4) -> float:
+        """The fixed cost of a request served with blocks loaded through the connector (ms), beyond
+        what their bytes are priced at (``[locate] host_to_device_GBps``'s default): per engine and
+        repetition, a stored prefix of ``blocks`` blocks and a new question, once with the prefix
+        loaded from kvtier (the engine's cache reset) and once, with another question, from the
+        engine's own cache; the median difference. Both compute the same number of new tokens and
+        ask the daemon for them. Run after ``warm_up`` (kvtier's first use on each engine is not
+        a load's cost); its principal is purged after."""
+        import dataclasses
+
+        from kvtier.server.config import LocateConfig
+
+        rng = random.Random(11)
+        salt = self.dep.salt("kvtier", "calibrate-load")
+        vocab = self.spec.vocab_size
+
+        def ttft(node: Node, tokens: list[int]) -> float:
+            assert node.engine is not None
+            return float(complete(node.engine, tokens, salt, max_tokens=1, logprobs=0)["ttft_ms"])
+
+        diffs = []
+        for node in self.nodes.values():
+            assert node.engine is not None
+            prefix = [rng.randrange(10, vocab) for _ in range(blocks * BT)]
+            ttft(node, [*prefix, 3])
+            wait_for_saves(node.engine, salt)
+            for _ in range(reps):
+                self.reset_prefix_caches()
+                question = [[rng.randrange(10, vocab) for _ in range(BT + 8)] for _ in range(2)]
+                loaded = ttft(node, prefix + question[0])
+                local = ttft(node, prefix + question[1])
+                diffs.append(loaded - local)
+        self.purge([("kvtier", "calibrate-load")])
+        gbps = next(f.default for f in dataclasses.fields(LocateConfig) if f.name == "host_to_device_GBps")
+        bytes_ms = blocks * llama_layout(self.spec, MODEL_ID).bytes_per_block / (gbps * 1e9) * 1e3
+        fixed = max(0.0, statistics.median(diffs) - bytes_ms)
+        say(f"a load through the connector: {fixed:.1f} ms beyond its bytes (loaded less local TTFT, median of "
+            f"{len(diffs)}: {statistics.median(diffs):.1f} ms)")
+        return round(fixed, 3)
+
+    def calibrate(self, lengths: Sequence[int] = (64, 1024), reps: int = 4,
+                  load_fixed_ms: float = 0.0) -> dict[str, float]:
         """Measure the engines' prefill (median TTFT of cold prompts of two lengths, no salt, so
         kvtier takes no part, each engine's cache reset before each), fit ``fixed + per token``,
-        write it into every daemon's ``[locate]`` and restart the daemons on their ports: the
-        configuration docs/operations.md asks an operator to measure.
+        write it and ``load_fixed_ms`` (``measure_load``) into every daemon's ``[locate]`` and
+        restart the daemons on their ports: the configuration docs/operations.md asks an operator
+        to measure.
 
         Each engine first computes one prompt of each length, untimed: an engine's first prompts
         of a length pay one-time costs (its CPU kernels built for that shape) that are not its
@@ -266,7 +311,7 @@ class Fleet:
         per_token_us = max(1.0, (med[hi] - med[lo]) / (hi - lo) * 1e3)
         fixed_ms = max(0.0, med[lo] - per_token_us * lo / 1e3)
         self.prefill = {"prefill_fixed_ms": round(fixed_ms, 3), "prefill_per_token_us": round(per_token_us, 3),
-                        "prefill_per_pair_ns": 0.0}
+                        "prefill_per_pair_ns": 0.0, "load_fixed_ms": load_fixed_ms}
         say(f"prefill measured: {fixed_ms:.1f} ms + {per_token_us:.0f} us/token (TTFT at {lo}: {med[lo]:.0f} ms, "
             f"at {hi}: {med[hi]:.0f} ms); daemons restarted with it")
         for node in self.nodes.values():
@@ -274,6 +319,7 @@ class Fleet:
             stop_process(node.daemon)
             self._write_daemon_config(node, self.prefill)
             self._start_daemon(node)
+        self._regions_lost = True
         return self.prefill
 
     # -- the public documents ------------------------------------------------------------------
@@ -342,8 +388,9 @@ class Fleet:
             wait_for_saves(node.engine, salt)
             self.reset_prefix_caches()
             complete(node.engine, list(tokens), salt, max_tokens=1, logprobs=0)
-            if attached:  # it had a region: the daemon's restart lost it; wait for the new one
+            if attached and self._regions_lost:  # it had a region, which the daemon's restart lost
                 self._wait_for_region(node.engine, salt, attached, tokens)
+        self._regions_lost = False
         self.purge([("kvtier", "warmup")])
 
         def sample(url: str) -> None:

@@ -2,7 +2,8 @@
 route`` in front of the same two ``vllm serve`` engines, compared in one run, interleaved.
 
 Set-up (benchmarks/fleet_engines.py): SeaweedFS, two nodes (engine + daemon), the engines' prefill
-measured and written into the daemons' ``[locate]``, the same warm-up for both engines (the
+and the fixed cost of a load through their connector measured and written into the daemons'
+``[locate]``, the same warm-up for both engines (the
 calibration prompts, and kvtier's first use on each: a warm-up principal's prompt saved and
 reloaded, then purged), the public documents published. The reference outputs: every distinct
 prompt computed once by engine a alone (no salt, so kvtier takes no part; its prefix cache reset
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--workdir", type=Path, metavar="DIR", help="keep logs and state here (default a temp dir)")
     g.add_argument("--route-log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="kvtier route's log level (debug: a line per request, in --workdir's router-kvtier-*.log)")
+    g.add_argument("--route-engines", metavar="NAMES", help="the engines kvtier route is given, comma-separated, "
+                   f"among {','.join(NODES)} (default all; a diagnostic: given one, it shows what the router "
+                   "itself adds to cache_aware's placement)")
     g.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, metavar="PATH",
                    help="the serving vLLM's python (default .venv-vllmcpu)")
 
@@ -66,6 +70,16 @@ def _routers(args: argparse.Namespace) -> list[str]:
     bad = [n for n in names if n not in ROUTERS]
     if not names or bad:
         raise ConfigError(f"--routers: {', '.join(bad) or 'none given'}: choose among {', '.join(ROUTERS)}")
+    return names
+
+
+def _route_engines(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.route_engines is None:
+        return NODES
+    names = tuple(n.strip() for n in args.route_engines.split(",") if n.strip())
+    bad = [n for n in names if n not in NODES]
+    if not names or bad or len(set(names)) != len(names):
+        raise ConfigError(f"--route-engines: {args.route_engines!r}: distinct names among {', '.join(NODES)}")
     return names
 
 
@@ -98,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("kvtier bench fleet: --json PATH is required")
     stop_on_sigterm()
     routers = _routers(args)
+    route_engines = _route_engines(args)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     if rounds < 1:
         raise ConfigError(f"--rounds must be at least 1, got {rounds}")
@@ -126,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
         stack.callback(fleet.close)
         fleet.start()
         prog.phase("calibrate")
-        prefill = fleet.calibrate()
-        fleet.warm_up(WARMUP_TOKENS * 3)
+        fleet.warm_up(WARMUP_TOKENS * 3)  # kvtier's first use on each engine is no load's cost
+        prefill = fleet.calibrate(load_fixed_ms=fleet.measure_load())
+        fleet.warm_up(WARMUP_TOKENS * 3)  # the daemons restarted with their [locate]
         published = fleet.publish(w.documents)
         say(f"{len(w.documents)} public documents published ({published} blocks on each node)")
         prog.phase("references")
@@ -147,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 previous = [(t, f"{u}-{k}") for t, u in principals]
                 # The floor's requests go straight to engine a, one at a time; a router's through it.
                 front = (nullcontext(fleet.nodes["a"].url) if name == FLOOR
-                         else router(fleet, name, f"{name}-{rnd}", args.route_log_level))
+                         else router(fleet, name, f"{name}-{rnd}", args.route_log_level, route_engines))
                 with front as url:
                     for _ in range(2):
                         warm = stream_completion(url, WARMUP_TOKENS, None, max_tokens=2, logprobs=0)
@@ -180,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
                        "prefill_measured": prefill, "host": platform.node(),
                        "engine_cores": {n: engine_cores(i, len(NODES), sorted(os.sched_getaffinity(0)))
                                         for i, n in enumerate(NODES)},
+                       "route_engines": list(route_engines),
                        "engine_binding": "each engine's whole process tree (taskset) and compute threads "
                                          "(VLLM_CPU_OMP_THREADS_BIND) on its cores",
                        "reset_between_runs": "saves settled; the previous run's principals purged on both nodes "

@@ -19,7 +19,7 @@ import json
 import os
 import subprocess
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,12 +58,15 @@ def vllm_router_command(fleet: Fleet, policy: str, port: int) -> list[str]:
     return cmd
 
 
-def kvtier_route_command(fleet: Fleet, token_file: Path, ready: Path, log_level: str = "warning") -> list[str]:
+def kvtier_route_command(fleet: Fleet, token_file: Path, ready: Path, log_level: str = "warning",
+                         engines: Sequence[str] | None = None) -> list[str]:
+    """``engines``: the nodes whose engine and daemon the router is given (None: all)."""
     assert fleet.model is not None
     cmd = [fleet.daemon_python, "-m", "kvtier.cli", "route", "--listen", "127.0.0.1:0", "--token-file",
            str(token_file), "--tokenizer", str(fleet.model), "--ready-file", str(ready), "--log-level", log_level]
     for name, n in fleet.nodes.items():
-        cmd += ["--engine", f"{name}={n.url}", "--node", f"{name}={n.address}"]
+        if engines is None or name in engines:
+            cmd += ["--engine", f"{name}={n.url}", "--node", f"{name}={n.address}"]
     return cmd
 
 
@@ -88,9 +91,11 @@ def router_metrics(url: str) -> dict[str, float]:
 
 
 @contextmanager
-def router(fleet: Fleet, name: str, tag: str, route_log_level: str = "warning") -> Iterator[str]:
+def router(fleet: Fleet, name: str, tag: str, route_log_level: str = "warning",
+           route_engines: Sequence[str] | None = None) -> Iterator[str]:
     """Start router ``name`` (one of ``ROUTERS``) in front of the fleet; yields its URL. ``kvtier
-    route`` logs at ``route_log_level`` into ``router-<tag>.log`` (debug: a line per request)."""
+    route`` logs at ``route_log_level`` into ``router-<tag>.log`` (debug: a line per request) and is
+    given the engines of ``route_engines`` (None: all)."""
     if name not in ROUTERS:
         raise ConfigError(f"unknown router {name!r}: one of {', '.join(ROUTERS)}")
     log_path = fleet.work / f"router-{tag}.log"
@@ -103,7 +108,7 @@ def router(fleet: Fleet, name: str, tag: str, route_log_level: str = "warning") 
                 token.chmod(0o600)
             ready = fleet.work / f"router-{tag}.json"
             ready.unlink(missing_ok=True)
-            proc = subprocess.Popen(kvtier_route_command(fleet, token, ready, route_log_level), cwd=ROOT,
+            proc = subprocess.Popen(kvtier_route_command(fleet, token, ready, route_log_level, route_engines), cwd=ROOT,
                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             try:

@@ -427,6 +427,10 @@ class LocateConfig:
                                          check=in_range(0, 1e9))
     host_to_device_GBps: float = _f(10.0, "Loaded blocks into the engine's cache (shared memory, then host to "
                                     "device), GB/s.", check=in_range(1e-3, 1e4))
+    load_fixed_ms: float = _f(0.0, "Fixed cost of serving a request with blocks loaded through the connector, "
+                              "beyond their bytes (its round trips to the daemon, the engine step that waits for "
+                              "them), ms: the TTFT of a prompt loaded from kvtier less that of the same prompt "
+                              "from the engine's own cache.", check=in_range(0, 1e6))
     overlap: bool = _f(False, "The engines compute a prompt's front while its back loads (pipelined plans).")
     max_tokens: int = _f(131072, "Token ids accepted in one Locate.", check=in_range(1, 1 << 24))
     node: str | None = _f(None, "This node's name in answers; unset: the host name.")

@@ -183,10 +183,10 @@ def locate_settings(c: LocateConfig) -> LocateSettings:
                                                                         c.block_tokens, c.head_dim))
     prefill = PrefillProfile(c.prefill_fixed_ms * 1e-3, c.prefill_per_token_us * 1e-6, c.prefill_per_pair_ns * 1e-9,
                              c.prefill_per_ctx_token_ns * 1e-9)
+    h2d = HostToDeviceProfile(c.host_to_device_GBps * 1e9, fixed_s=c.load_fixed_ms * 1e-3)
     return LocateSettings(node=c.node or socket.gethostname(), layout=layout, scope_rule=c.scope_rule,
                           private_kind=ScopeKind[c.private_scope.upper()], prefill=prefill,
-                          host_to_device=HostToDeviceProfile(c.host_to_device_GBps * 1e9), overlap=c.overlap,
-                          max_tokens=c.max_tokens)
+                          host_to_device=h2d, overlap=c.overlap, max_tokens=c.max_tokens)
 
 
 # -- the locator ------------------------------------------------------------------------------------

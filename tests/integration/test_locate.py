@@ -211,3 +211,30 @@ def test_the_http_twin_speaks_tls_as_the_grpc_port_does(tmp_path: Path, mutual: 
                 post("https", ssl.create_default_context(cafile=str(tmp_path / "ca.pem")))
     finally:
         d.stop(grace_s=0)
+
+
+def test_a_load_pays_the_connectors_fixed_cost_and_a_recompute_does_not(tmp_path: Path) -> None:
+    """``[locate] load_fixed_ms`` prices what a load through the connector costs beyond its bytes:
+    the same stored prefix, located by nodes that differ only in it (the rig prices recomputing
+    it at 143 ms, loading it and computing the rest at 23 ms)."""
+    answers = {}
+    for fixed in (0.0, 40.0, 200.0):
+        dep = deployment(tmp_path / f"n{fixed:.0f}", memory_bytes=1 << 20, locate={"load_fixed_ms": fixed})
+        d = Daemon(dep.config()).start()
+        engine, r = Engine(d, dep, "public-registry"), router(d, dep)
+        try:
+            alice = dep.salt("acme", "alice")
+            prompt = list(range(6000, 6000 + 6 * BT + 3))
+            assert engine.store(alice, prompt) == 6
+            answers[fixed] = locate(r, prompt, alice)
+        finally:
+            engine.close()
+            r.close()
+            d.stop(grace_s=0)
+    free, dear, dearer = answers[0.0], answers[40.0], answers[200.0]
+    assert {a.recompute_ms for a in answers.values()} == {free.recompute_ms}
+    assert {a.tail_ms for a in answers.values()} == {free.tail_ms}
+    assert (free.plan, dear.plan) == ("full-reload", "full-reload")
+    assert dear.ttft_ms == pytest.approx(free.ttft_ms + 40.0)
+    # Loading now costs more than it saves (200 > 143 - 23): the engine recomputes, at no fixed cost.
+    assert (dearer.plan, dearer.ttft_ms) == ("full-recompute", dearer.recompute_ms)

@@ -77,6 +77,29 @@ def test_real_engines_refuse_an_unknown_router(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("engines", ["a,c", "", "a,a"])
+def test_real_engines_refuse_engines_the_fleet_has_not(engines, tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    assert main(["bench", "fleet", "--quick", "--json", str(out), "--routers", "kvtier", "--route-engines",
+                 engines]) == 1
+    assert "--route-engines" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_kvtier_route_is_given_the_engines_named(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks.fleet_routers import kvtier_route_command
+
+    # The fleet's data the command is built from (a started Fleet holds the same fields).
+    nodes = {n: SimpleNamespace(url=f"http://{n}:1", address=f"{n}:2") for n in ("a", "b")}
+    fleet = SimpleNamespace(model=tmp_path / "model", daemon_python="python", nodes=nodes)
+    every = kvtier_route_command(fleet, tmp_path / "t", tmp_path / "r")
+    only_a = kvtier_route_command(fleet, tmp_path / "t", tmp_path / "r", engines=["a"])
+    assert [x for x in every if x.startswith(("a=", "b="))] == ["a=http://a:1", "a=a:2", "b=http://b:1", "b=b:2"]
+    assert [x for x in only_a if x.startswith(("a=", "b="))] == ["a=http://a:1", "a=a:2"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "8,x"], "--nodes"),
     (["--nodes", "0"], "--nodes"),
