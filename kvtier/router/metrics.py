@@ -25,7 +25,8 @@ class RouterMetrics:
                                 ["endpoint", "outcome"], registry=r)
         self.routed = Counter("kvtier_router_routed", "Attempts sent to an engine, by why it was chosen "
                               "(cache, queue, balanced, held: without Locate, kept: with its cache within "
-                              "the tail)", ["engine", "reason"], registry=r)
+                              "the tail, copy: to a free engine to copy a hot prefix)", ["engine", "reason"],
+                              registry=r)
         self.unlocated = Counter("kvtier_router_unlocated", "Requests routed without token ids for Locate, "
                                  "by reason (batch, no_tokenizer, not_text, ...)", ["reason"], registry=r)
         self.attempt_failures = Counter("kvtier_router_attempt_failures", "Attempts that failed before any byte "

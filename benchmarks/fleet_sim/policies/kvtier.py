@@ -22,7 +22,9 @@ happen to hold it.
 A request the rule would send away from the node that serves it cheapest is kept on the cheapest
 node priced below its choice by more than the edge, while its prediction there lies within the
 95th percentile of the service prices of the last 2,000 priced choices (``ServiceTail``,
-kvtier/router/service_tail.py: ``kvtier route``'s ``--keep-quantile`` default).
+kvtier/router/service_tail.py: ``kvtier route``'s ``--keep-quantile`` default). A request the rule
+keeps with its cache beyond that tail, behind a queue of the prefix's own requests, goes to a free
+node to copy the prefix (``copy``, kvtier/router/choice.py).
 
 Queue wait is the router's own bookkeeping: the predicted service times of the requests it sent
 to the node that have not had their first token yet, less the time the oldest of them has been at

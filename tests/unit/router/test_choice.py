@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.router.choice import BALANCED, CACHE, HELD, KEPT, QUEUE, Candidate, Chooser, Edge
+from kvtier.router.choice import BALANCED, CACHE, COPY, HELD, KEPT, QUEUE, Candidate, Chooser, Edge
 from kvtier.router.service_tail import ServiceTail
 
 
@@ -271,3 +271,51 @@ def test_the_service_tail_is_the_quantile_of_its_window() -> None:
     assert t.value() == 3.0  # sorted 1, 2, 3, 4: index int(0.5 x 4) = 2
     t.add(0.5)  # 3.0 leaves the window: 0.5, 1, 2, 4
     assert t.value() == 2.0
+
+
+#: A tail of 0.1 s: the 95th percentile of these prices.
+_LOW_TAIL = [0.05] * 90 + [0.1] * 10
+
+
+def _hot(a_wait: float = 0.0, a_price: float = 0.6, b_wait: float = 0.4, b_price: float = 0.05) -> list[Candidate]:
+    """b holds a hot prefix behind a queue; a would compute a copy of it."""
+    return [Candidate("a", a_wait, a_price, 0), Candidate("b", b_wait, b_price, 3)]
+
+
+def test_a_hot_prefix_whose_holder_queues_beyond_the_tail_is_copied_on_a_free_engine() -> None:
+    # Control: without demand the rule keeps it with its cache (0.45 s against 0.6 s).
+    assert Chooser(Edge(), tail=_tail(_LOW_TAIL)).choose(_hot(), 100.0).engine == "b"
+    # 10 requests a second for the prefix: 4 more arrive while this one would wait, and they
+    # keep b busy half the time (10 x 50 ms): a computes a copy.
+    c = Chooser(Edge(), tail=_tail(_LOW_TAIL))
+    got = c.choose(_hot(), 100.0, demand=10.0)
+    assert (got.engine, got.reason, got.predicted_s) == ("a", COPY, 0.6)
+    assert c.rates(100.0) == {"a": 1 / c.window_s}  # counted in a's rate, as a cache choice is
+    assert c.tail is not None and c.tail.value() == 0.1  # the tail took the rule's own choice (b's 50 ms)
+
+
+@pytest.mark.parametrize("why, cands, tail, demand", [
+    ("within the tail", _hot(), [1.0] * 10, 10.0),
+    ("the prefix keeps its holder busy under a quarter of the time (4 x 50 ms)", _hot(), _LOW_TAIL, 4.0),
+    ("under one more request expected while it waits (2 x 0.4 s)", _hot(b_price=0.2, a_price=0.9), _LOW_TAIL, 2.0),
+    ("no engine is free", _hot(a_wait=0.05), _LOW_TAIL, 10.0),
+    ("the copy costs more than the waits it saves ((1 + 4) x 0.45 s)", _hot(a_price=2.3), _LOW_TAIL, 10.0),
+])
+def test_a_prefix_stays_with_its_holder(why: str, cands: list[Candidate], tail: list[float], demand: float) -> None:
+    got = Chooser(Edge(), tail=_tail(tail)).choose(cands, 100.0, demand=demand)
+    assert (got.engine, got.reason) == ("b", CACHE), why
+    # Control: every condition met, the same chooser copies.
+    assert Chooser(Edge(), tail=_tail(_LOW_TAIL)).choose(_hot(), 100.0, demand=10.0).reason == COPY
+
+
+def test_in_held_a_hot_prefix_asks_locate_when_an_engine_is_free_to_copy_it() -> None:
+    holder = [Candidate("b", 0.4, 0.05, 3)]
+    free = [Candidate("a", 0.0, 0.6, 0)]
+    busy = [Candidate("a", 0.5, 0.6, 2)]
+    assert Chooser(Edge(), tail=_tail(_LOW_TAIL)).held(holder, free, now=100.0, demand=10.0) is None
+    # Nobody free to copy it: decided without Locate, as before.
+    got = Chooser(Edge(), tail=_tail(_LOW_TAIL)).held(holder, busy, now=100.0, demand=10.0)
+    assert got is not None and (got.engine, got.reason) == ("b", HELD)
+    # Control: not hot (no demand), decided without Locate though a is free.
+    got = Chooser(Edge(), tail=_tail(_LOW_TAIL)).held(holder, free, now=100.0, demand=0.0)
+    assert got is not None and got.engine == "b"

@@ -22,6 +22,7 @@ Run from the repository root, as ``kvtier`` with the same arguments, for example
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -51,14 +52,13 @@ class TtftTail(ServiceTail):
 _kept = rule.Chooser._kept
 
 
-def kept(self, choice, candidates):  # type: ignore[no-untyped-def]
-    tail = self.tail.value() if self.tail is not None else None
+def kept(self, choice, candidates, tail):  # type: ignore[no-untyped-def]
     if tail is None:
         return None
     if FACTOR and choice.predicted_s > tail:
         tail = max(tail, FACTOR * choice.predicted_s)
     if not COST and not FACTOR:
-        return _kept(self, choice, candidates)
+        return _kept(self, choice, candidates, tail)
     # The window's counts as this decision's ``rates(now)`` left them.
     per_s = {e: n / self.window_s for e, n in self._counts.items()}
 
@@ -80,7 +80,8 @@ _first_token = policy.Kvtier.first_token
 def init(self, ctx):  # type: ignore[no-untyped-def]
     _init(self, ctx)
     tail = TtftTail(quantile=QUANTILE) if SOURCE == "ttft" else ServiceTail(quantile=QUANTILE)
-    self.chooser = rule.Chooser(rule.Edge(), tail=tail)
+    # The copy rule (written after these experiments) off, as it was when they ran.
+    self.chooser = rule.Chooser(rule.Edge(), tail=tail, copy_min_busy=math.inf)
 
 
 def first_token(self, req, node, now):  # type: ignore[no-untyped-def]
