@@ -4,7 +4,8 @@ usage: python index_or_locate_table.py DIR [SUFFIX]   (DIR: index_or_locate.sh's
 Locate runs are the committed fleet_sim{SUFFIX}.json and fleet_sim_load{SUFFIX}.json, run under the
 same rule as DIR's, whose other policies judge every cell. SUFFIX: "-before-copies" (default) for
 index/, measured before a copy's charge was shared; "-before-keep" for index-copies/, after it and before
-requests were kept within the tail; "" for index-keep/, under the rule as it is now)
+requests were kept within the tail; "-before-copy" for index-keep/, after that and before hot prefixes were
+copied beyond the tail; "" for index-copy/, under the rule as it is now)
 """
 
 from __future__ import annotations
