@@ -94,6 +94,8 @@ def pinned_command(cores: str, cmd: Sequence[str]) -> list[str]:
                           "of its own with it")
     assert cores, "no cores"
     return [taskset, "--cpu-list", cores, *cmd]
+
+
 MAX_MODEL_LEN = 2048
 SERVER_SECRET = b"fleet-bench-server-secret-0123456789"
 

@@ -126,7 +126,7 @@ class Router:
         q = settings.keep_quantile
         tail = ServiceTail(quantile=q) if q else None
         self.chooser = Chooser(settings.edge, tail=tail)
-        # Read when scraped: the threshold of the decisions made since the last scrape.
+        # Read when scraped: the threshold as the last priced decisions left it.
         self.metrics.keep_tail.set_function(lambda: _threshold(tail))
         #: The engines' pace against the cost model's prices (kvtier/router/pace.py).
         self.pace = Pace(e.name for e in self.engines)
