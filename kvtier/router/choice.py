@@ -211,7 +211,9 @@ class Chooser:
         # The best-served among the candidates: in ``held`` the holders, whose price a floor (a
         # lower bound) may undercut without holding the prefix.
         served = min(c.service_s for c in candidates)
-        copies = 1.0 + demand * min(c.wait_s for c in candidates if c.service_s == served)
+        # The requests for the prefix expected while the best-served engine's queue lasts.
+        behind = demand * min(c.wait_s for c in candidates if c.service_s == served)
+        copies = 1.0 + behind
 
         def cost(c: Candidate) -> float:
             share = 1.0 if c.service_s <= served else copies
@@ -239,7 +241,7 @@ class Chooser:
             return choice
         if self.tail is not None:
             tail = self.tail.value()
-            hot = self._hot(choice, candidates, served, demand, tail)
+            hot = self._hot(choice, served, demand, behind, tail)
             if hot is not None and floors is not None:
                 # A copy is priced by Locate's answers, which the floors are not: ask it, when an
                 # engine is free to make one (its decision is this one otherwise).
@@ -255,17 +257,15 @@ class Chooser:
             self._count(now, choice.engine)
         return choice
 
-    def _hot(self, choice: Choice, candidates: Sequence[Candidate], served: float, demand: float,
-             tail: float | None) -> float | None:
-        """The requests for the prompt's prefix expected while the rule's choice waits, when its
-        holders are a hot prefix's queue that puts the request beyond the tail (module
-        docstring, "copy"); None otherwise."""
+    def _hot(self, choice: Choice, served: float, demand: float, behind: float, tail: float | None) -> float | None:
+        """``behind`` (the requests for the prompt's prefix expected while the rule's choice
+        waits), when its holders are a hot prefix's queue that puts the request beyond the tail
+        (module docstring, "copy"); None otherwise."""
         if tail is None or choice.service_s > served or choice.predicted_s <= tail:
             return None
         if demand * served < self.copy_min_busy:
             return None  # the queue is not the prefix's own: a copy would not shorten it
-        expected = demand * min(c.wait_s for c in candidates if c.service_s == served)
-        return expected if expected >= 1.0 else None
+        return behind if behind >= 1.0 else None
 
     def _copy(self, choice: Choice, candidates: Sequence[Candidate], served: float, expected: float) -> Choice | None:
         """The free engine that computes a copy of the hot prefix (module docstring), or None."""
