@@ -33,6 +33,7 @@ def test_completion_prompts(tok: PromptTokenizer) -> None:
     assert request_prompt(COMPLETIONS, {"prompt": "t10 t11 t12", "cache_salt": "s", "stream": True}, tok) == \
         RequestPrompt((10, 11, 12), "s", True)
     assert request_prompt(COMPLETIONS, {"prompt": [7, 8, 9]}, tok) == RequestPrompt((7, 8, 9), "", False)
+    assert request_prompt(COMPLETIONS, {"prompt": [0, 2**32 - 1]}, tok).tokens == (0, 2**32 - 1)  # the range's ends
     assert request_prompt(COMPLETIONS, {"prompt": ["t11 t12"]}, tok).tokens == (11, 12)  # a batch of one
     assert request_prompt(COMPLETIONS, {"prompt": [[4, 5]]}, tok).tokens == (4, 5)
 
@@ -51,6 +52,9 @@ UNTOKENIZED = [
     (COMPLETIONS, {"prompt": [1, "x"]}, "bad_prompt"),
     (COMPLETIONS, {"prompt": [1, -1]}, "bad_prompt"),
     (COMPLETIONS, {"prompt": [True]}, "bad_prompt"),
+    (COMPLETIONS, {"prompt": [5, False]}, "bad_prompt"),
+    (COMPLETIONS, {"prompt": [5, 6.0]}, "bad_prompt"),
+    (COMPLETIONS, {"prompt": [5, 2**32]}, "bad_prompt"),
     (COMPLETIONS, {}, "bad_prompt"),
     (COMPLETIONS, {"prompt": ""}, "empty"),
     (COMPLETIONS, {"prompt": "t1", "add_special_tokens": "yes"}, "bad_prompt"),

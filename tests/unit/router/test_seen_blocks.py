@@ -40,3 +40,20 @@ def test_leading_counts_the_seen_prefix() -> None:
     assert s.leading(chain) == 3
     assert s.leading(chain[3:]) == 0
     assert s.leading([]) == 0
+    # Longer chains are probed in growing chunks (16, 64, 256, ...): a prefix ending past a chunk.
+    long = _digests(400)
+    s.add(long[:300])
+    assert s.leading(long) == 300
+    assert s.leading(long[:300]) == 300
+    assert s.leading(long[:16]) == 16
+
+
+def test_digests_added_together_are_each_seen_where_their_probes_share_a_byte() -> None:
+    """One ``add`` of many digests into a small filter: probes of different digests land in the
+    same byte, and every one of their bits must stay set (a plain indexed ``|=`` keeps one)."""
+    s = SeenBlocks(bits=64)
+    chain = _digests(50)
+    s.add(chain)
+    assert all(s.seen(d) for d in chain)
+    assert s.leading(chain) == 50
+    assert not s.none_seen(chain)
