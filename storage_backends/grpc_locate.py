@@ -47,6 +47,12 @@ class LocateChannelConfig(Protocol):
     def aio_channel(self) -> grpc.aio.Channel: ...
 
 
+def _serialized(request: pb.LocateRequest | bytes) -> bytes:
+    # Serialized once by a caller that asks many nodes: 131,072 token ids take 1.2 ms to
+    # serialize, on the router's loop, for every node of the fleet.
+    return request if isinstance(request, bytes) else request.SerializeToString()
+
+
 class GrpcLocateClient:
     """``Locate`` on one daemon over a grpc.aio channel (module docstring). The config's salt, data
     plane and payload settings do not apply: a Locate carries its salt in the request."""
@@ -63,14 +69,14 @@ class GrpcLocateClient:
             raise TierUnavailable(f"daemon {self.config.target}: this Locate client is closed")
         if self._call is None:
             self._channel = self.config.aio_channel()
-            self._call = self._channel.unary_unary(f"/{SERVICE_NAME}/Locate",
-                                                   request_serializer=pb.LocateRequest.SerializeToString,
+            self._call = self._channel.unary_unary(f"/{SERVICE_NAME}/Locate", request_serializer=_serialized,
                                                    response_deserializer=pb.LocateResponse.FromString)
         return self._call
 
-    async def locate(self, request: pb.LocateRequest, *, timeout_s: float | None = None) -> pb.LocateResponse:
+    async def locate(self, request: pb.LocateRequest | bytes, *, timeout_s: float | None = None) -> pb.LocateResponse:
         """The daemon's answer (kvtier/server/locate.py); ``timeout_s`` replaces the configured
-        deadline for this call."""
+        deadline for this call. ``request`` may come serialized (``SerializeToString``): a fleet
+        view sends one query to every node."""
         call = self._open()
         token = self.config.token() if callable(self.config.token) else self.config.token
         try:

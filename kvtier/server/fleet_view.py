@@ -49,7 +49,9 @@ OK, UNAVAILABLE, REFUSED, ERROR, SKIPPED, PENDING = "ok", "unavailable", "refuse
 
 
 class LocateClient(Protocol):
-    async def locate(self, request: pb.LocateRequest, *, timeout_s: float | None = None) -> pb.LocateResponse: ...
+    async def locate(self, request: bytes, *, timeout_s: float | None = None) -> pb.LocateResponse:
+        """``request``: a serialized ``LocateRequest`` (the same bytes for every member)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -315,7 +317,8 @@ class FleetView:
     def start(self, query: LocateQuery, only: Collection[str] | None = None) -> FleetQuery:
         """The query in flight to every member (or those in ``only``), from now: read it with
         ``FleetQuery.answer`` and ``final`` (a caller that will not wait for the deadline)."""
-        request = query_to_msg(query)
+        # Serialized once for every member (a long prompt's token ids take milliseconds each time).
+        request = query_to_msg(query).SerializeToString()
         t0 = time.monotonic()
         nodes = self._nodes
         calls: list[asyncio.Task[_Outcome] | None] = [
@@ -323,7 +326,7 @@ class FleetView:
             for m, client in nodes]
         return FleetQuery(tuple(m for m, _ in nodes), tuple(calls), t0, self.deadline_s)
 
-    async def _ask(self, client: LocateClient, request: pb.LocateRequest, t0: float) -> _Outcome:
+    async def _ask(self, client: LocateClient, request: bytes, t0: float) -> _Outcome:
         # The call's own deadline is what is left of the fleet's: a late answer is not waited for.
         left = self.deadline_s - (time.monotonic() - t0)
         try:

@@ -6,8 +6,10 @@ blocks, each step the router takes on a request's token ids in its own process
 (kvtier/router/app.py, ``_completion``): the body's JSON, the prompt check (kvtier/router/prompts.py),
 the block digests (kvtier/router/engine_cache.py), the held rule's decision (for a new prompt, and
 for one an engine holds) and its record of what was sent (kvtier/router/held_rule.py,
-kvtier/router/seen_blocks.py), the prefix's demand (kvtier/router/prefix_demand.py) and the
-engine-cache view's bookkeeping. Median of 7 runs each, 4 engines, a fresh router state per
+kvtier/router/seen_blocks.py), the prefix's demand (kvtier/router/prefix_demand.py), the
+engine-cache view's bookkeeping and ``Locate``'s request (built and serialized once, then sent to
+every node: kvtier/server/fleet_view.py; ``locate_request_serialize`` is what serializing it
+again for each node would cost per node). Median of 7 runs each, 4 engines, a fresh router state per
 prompt length; the network and ``Locate`` are not in it.
 
 Run from the repository root: ``.venv/bin/python benchmarks/results/issue30/scripts/router_cpu.py``
@@ -35,6 +37,8 @@ from kvtier.router.pace import Pace
 from kvtier.router.prefix_demand import PrefixDemand
 from kvtier.router.prompts import COMPLETIONS, request_prompt
 from kvtier.router.queue_model import QueueModel
+from kvtier.server.locate import LocateQuery
+from kvtier.server.locate_wire import query_to_msg
 
 BLOCK_TOKENS = 16
 RUNS = 7
@@ -61,6 +65,8 @@ def measure(n_tokens: int, rng: random.Random) -> dict[str, float]:
     prompt = request_prompt(COMPLETIONS, body, None)
     assert prompt.tokens is not None and len(prompt.tokens) == n_tokens
     digests = cached.digests(prompt.tokens, prompt.salt, BLOCK_TOKENS)
+    query = LocateQuery(tokens=prompt.tokens, salt=prompt.salt, local_only=True)
+    msg = query_to_msg(query)
     out = {
         "json_body": median_ms(lambda: json.loads(raw)),
         "prompt_check": median_ms(lambda: request_prompt(COMPLETIONS, body, None)),
@@ -69,13 +75,15 @@ def measure(n_tokens: int, rng: random.Random) -> dict[str, float]:
         "held_rule_sent": median_ms(lambda: rule.sent(engines[0], digests)),
         "demand": median_ms(lambda: (demand.arrived(digests, 1.0), demand.rate(digests, len(digests), 1.0))),
         "engine_cache_sent_computed": median_ms(lambda: cached.computed(cached.sent("a", digests))),
+        "locate_request": median_ms(lambda: query_to_msg(query).SerializeToString()),
+        "locate_request_serialize": median_ms(lambda: msg.SerializeToString()),
     }
     # A later turn: engine a holds the prompt (a prefill measured there), so the held rule prices
     # every engine (it then asks Locate all the same: no node's block price is known here).
     for e in names:
         queue.first_byte(queue.sent(e, 0.0, streaming=True, expected_first_s=0.05), 0.05)
     out["held_rule_decide_held"] = median_ms(lambda: rule.decide(engines, digests, 1.0))
-    out["total"] = round(sum(out.values()), 3)
+    out["total"] = round(sum(v for k, v in out.items() if k != "locate_request_serialize"), 3)
     return out
 
 
