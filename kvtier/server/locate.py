@@ -277,9 +277,11 @@ class Locator:
             raise InvalidRequest(f"keys: at most {s.max_keys} per request, got {len(q.keys)}")
         if not 0 <= q.tail_tokens <= UINT32_MAX:
             raise InvalidRequest(f"tail_tokens: must be in [0, {UINT32_MAX}], got {q.tail_tokens}")
-        for i, t in enumerate(q.tokens):
-            if not 0 <= t <= UINT32_MAX:
-                raise InvalidRequest(f"token_ids[{i}]: must be in [0, {UINT32_MAX}], got {t}")
+        # The range in C first (per id in Python it was 2 ms of a 15,000-token Locate); the
+        # offending index only for the error.
+        if q.tokens and (min(q.tokens) < 0 or max(q.tokens) > UINT32_MAX):
+            i, t = next((i, t) for i, t in enumerate(q.tokens) if not 0 <= t <= UINT32_MAX)
+            raise InvalidRequest(f"token_ids[{i}]: must be in [0, {UINT32_MAX}], got {t}")
         tag = s.layout.fingerprint[:LAYOUT_TAG_BYTES]
         for i, k in enumerate(q.keys):
             if key_layout_tag(k) != tag:

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.localdeploy import LocalDeployment
+from kvtier.errors import InvalidRequest
+from kvtier.security.policy import ROLE_ROUTER, Principal
 from kvtier.server.daemon import Daemon
+from kvtier.server.locate import LocateQuery
 from kvtier.server.locate_wire import located_json
 from tests.integration.locate_rig import BT, Engine, deployment, http_locate, locate, publish, router
 
@@ -88,6 +91,19 @@ def test_http_bad_input_gets_a_clear_error(node) -> None:
     assert status == 401
     status, got = http_locate(d, dep.token("acme", "mallory"), {**ok, "cache_salt": dep.salt("acme", "alice")})
     assert (status, got["error"]["code"]) == (403, "PERMISSION_DENIED") and "not a router's" in got["error"]["message"]
+
+
+def test_the_locator_itself_refuses_token_ids_out_of_range_by_index(node) -> None:
+    """Below the wire (whose uint32 field and JSON check stop them first): the node's own check."""
+    d, _ = node
+    router_p = Principal(tenant="fleet", user="router", roles={ROLE_ROUTER})
+    assert d.locator is not None
+    assert d.locator.locate(router_p, router_p, LocateQuery(tokens=(1, 2, 3, 4, 5))).matched_blocks == 0  # control
+    for tokens, message in (((1, 2, -3, 4), "token_ids[2]: must be in [0, 4294967295], got -3"),
+                            ((1 << 32, 2), "token_ids[0]: must be in [0, 4294967295], got 4294967296")):
+        with pytest.raises(InvalidRequest) as exc:
+            d.locator.locate(router_p, router_p, LocateQuery(tokens=tokens))
+        assert message in str(exc.value)
 
 
 def test_http_refuses_what_is_not_a_locate(node) -> None:
