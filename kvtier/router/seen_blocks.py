@@ -34,7 +34,7 @@ class SeenBlocks:
     """
 
     def __init__(self, bits: int = 1 << 24) -> None:
-        assert 0 < bits <= 1 << 32 and bits % 8 == 0
+        assert 0 < bits < 1 << 32 and bits % 8 == 0  # a probe is a 32-bit word modulo ``bits``
         assert PROBES * 4 <= DIGEST_BYTES
         self.bits = bits
         self._array = np.zeros(bits // 8, dtype=np.uint8)
