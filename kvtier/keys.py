@@ -232,12 +232,13 @@ def block_chain(layout: KVLayout, segments: Iterable[Segment], deriver: DomainSo
     next_run = 0
     dom, prefix = ScopeDomain(b""), b""
     for i in range(n_tokens // bt):
-        # The scope can change only in a block where a segment starts (block 0 always): the domain
-        # and the keys' prefix are looked up there, not per block (a tenth of a long chain's time).
-        if next_run < len(runs) and runs[next_run][0] < (i + 1) * bt:
-            while next_run < len(runs) and runs[next_run][0] < (i + 1) * bt:
-                scope = narrower(scope, runs[next_run][1])
-                next_run += 1
+        started = next_run
+        while next_run < len(runs) and runs[next_run][0] < (i + 1) * bt:
+            scope = narrower(scope, runs[next_run][1])
+            next_run += 1
+        if next_run != started:
+            # The scope changes only in a block where a segment starts (block 0 always): the domain
+            # and the keys' prefix are looked up there, not per block (a tenth of a long chain's time).
             known = domains.get(scope)
             dom = domains[scope] = deriver.domain(scope) if known is None else known
             prefix = key_prefix(dom, tag)

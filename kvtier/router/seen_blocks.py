@@ -53,7 +53,7 @@ class SeenBlocks:
         if not digests:
             return np.zeros(0, dtype=bool)
         byte, bit = self._probes(digests)
-        return np.asarray((self._array[byte] & bit).all(axis=1))
+        return (self._array[byte] & bit).all(axis=1)
 
     def add(self, digests: Sequence[bytes]) -> None:
         if not digests:
