@@ -375,12 +375,15 @@ class Router:
                 t = time.monotonic()
                 if status == 200:  # an error answer computed no prompt
                     self.cached.computed(pending)
-                sample = self.queue.first_byte(ticket, t)
+                # Priced by the cost model (Locate's prices): how much slower than priced it ran.
+                # Not a choice priced from the measured prefill (held, or without an answer).
+                on_price = priced and choice.reason != HELD and choice.service_s > 0
+                sample = self.queue.first_byte(ticket, t, choice.service_s if on_price else None)
                 if sample is not None:
                     self.metrics.prefill.labels(engine.name).set(self.queue.prefill_s(engine.name) or 0.0)
-                    # Priced by the cost model (Locate's prices): how much slower than priced it ran.
-                    # Not a choice priced from the measured prefill (held, or without an answer).
-                    if priced and choice.reason != HELD and choice.service_s > 0:
+                    if on_price and ticket.idle:  # its waking is measured apart (queue_model.py)
+                        self.metrics.wake.labels(engine.name).set(self.queue.wake_s(engine.name))
+                    elif on_price:
                         self.pace.paced(engine.name, sample, choice.service_s / pace, t)
                         self.metrics.pace.labels(engine.name).set(self.pace.value(engine.name, t))
                 if streaming:
@@ -395,7 +398,7 @@ class Router:
                     request, engine, method=method, path=request.path, body=raw, streaming=streaming,
                     down=self._watch.down_signal(engine.name), route=choice.reason, on_first_byte=first_byte)
             finally:
-                self.queue.done(ticket)
+                self.queue.done(ticket, time.monotonic())
                 self.cached.settled(pending)
                 self.metrics.inflight.labels(engine.name).set(self.queue.inflight(engine.name))
             if outcome.engine_down:

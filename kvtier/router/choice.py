@@ -59,7 +59,8 @@ loaded of them wins, then the next in a rotation. The reason says which rule dec
 
     cache      one engine alone was best, with a lower service price than every other engine's
                (its node holds more of the prefix, or in a cheaper tier)
-    queue      one engine alone was best, by a shorter queue
+    queue      one engine alone was best, by a shorter wait (its queue, or another engine's
+               waking from idle: kvtier/router/queue_model.py)
     balanced   several were tied; the load (then the rotation) chose
     held       decided before ``Locate`` was asked (``held``, below)
     kept       kept with its cache within the tail (below)

@@ -43,6 +43,9 @@ class RouterMetrics:
         self.pace = Gauge("kvtier_router_pace", "How much slower than the cost model's price the engine "
                           "computed at its last sample (>= 1; it prices Locate's answers at this pace)",
                           ["engine"], registry=r)
+        self.wake = Gauge("kvtier_router_wake_seconds", "How much later than priced the engine's first chunk "
+                          "came when it was sent a request idle (the running mean; added to an idle engine's "
+                          "predicted wait)", ["engine"], registry=r)
         self.keep_tail = Gauge("kvtier_router_keep_tail_seconds", "The service price within which a request "
                                "is kept with its cache (--keep-quantile of the last priced choices' prices; NaN "
                                "while too few were priced, or with --keep-quantile 0)", registry=r)

@@ -14,7 +14,20 @@ Per engine ``e``, at time ``now``::
                    phantom queue that sent a cached prefix away from its engine until the next poll)
     prefill_e      the mean prefill time measured at e (below); until the first measurement,
                    the prior the caller gives (the request's own recompute price)
-    wait_e         = (own_ahead_e + others_e) x prefill_e
+    wake_e         the measured time an idle engine takes to start (below); 0 unless e is idle now
+    wait_e         = (own_ahead_e + others_e) x prefill_e + wake_e
+
+An engine is *idle* when this router has nothing in flight there, its last poll counted no
+request of anyone else's, and this router's last attempt there ended ``WARM_S`` or more ago.
+vLLM's engine core and workers busy-poll their message queue for a second after each message and
+then sleep on a socket (vllm/distributed/device_communicators/shm_broadcast.py, ``busy_loop_s``),
+and whatever the request needs left the caches; on two shared cores a request to an engine idle
+for over a second took 2.5 ms longer to its first chunk (benchmarks/results/issue30/
+engine-idle.json). How much longer is measured per engine, not assumed: ``wake_e`` is the running
+mean (weight ``EWMA_WEIGHT``) over the streamed attempts sent to e while idle of their prefill
+sample less the service time predicted for them (the caller's ``priced_s``), starting from 0, at
+least 0. With it a request that the cache ties between an engine that just served and one
+asleep goes to the first by its shorter wait (where waking costs nothing, both are alike).
 
 Prefill time is measured from streamed responses only: request i's prefill starts when it is sent
 or when the previous streamed request to e got its first chunk, whichever is later (one prefill
@@ -29,8 +42,8 @@ Load (what the router balances when the prediction gives no engine an edge)::
                      + this router's in-flight requests to e now
 
 Protocol, per request: ``predict`` every engine -> ``sent`` to the one chosen (a ``Ticket``) ->
-``first_byte(ticket)`` when its first chunk comes -> ``done(ticket)`` when the attempt ends, in
-every case (answered, failed, cancelled). ``polled`` whenever an engine's metrics arrive, with the
+``first_byte(ticket, now, priced_s)`` when its first chunk comes -> ``done(ticket, now)`` when the
+attempt ends, in every case (answered, failed, cancelled). ``polled`` whenever an engine's metrics arrive, with the
 time they were asked for.
 Not thread-safe: the router calls it from its event loop only. Times are ``time.monotonic()``
 seconds, given by the caller.
@@ -47,6 +60,8 @@ from kvtier.router.engine_load import EngineLoad
 
 #: Weight of the newest prefill sample in the engine's running mean.
 EWMA_WEIGHT = 0.2
+#: Seconds after its last attempt ended that an engine is still awake (vLLM's busy-poll window).
+WARM_S = 1.0
 #: First chunks kept per engine to match against a poll's window (seconds); a poll answered
 #: slower than this may count a request this router no longer subtracts.
 FIRSTS_KEPT_S = 30.0
@@ -58,6 +73,8 @@ class Ticket:
 
     id: int
     engine: str
+    #: Whether the engine was idle when the attempt was sent (its first chunk measures waking).
+    idle: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +87,8 @@ class QueueEstimate:
     load: int
     #: The measured mean prefill time (None: none measured yet; the prior priced ``wait_s``).
     prefill_s: float | None
+    #: The part of ``wait_s`` that is the idle engine's waking (0: the engine is awake).
+    wake_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -78,6 +97,7 @@ class _Attempt:
     sent_at: float
     streaming: bool
     expected_first_at: float
+    idle: bool
     first_at: float | None = None
 
 
@@ -88,6 +108,10 @@ class _Engine:
     own_inflight_at_poll: int = 0
     prefill_s: float | None = None
     last_first_at: float | None = None
+    #: When this router's last attempt there ended (None: none has).
+    last_done_at: float | None = None
+    #: The running mean, from 0, of idle attempts' prefill less their predicted service.
+    wake_excess_s: float = 0.0
     #: When this router's attempts at the engine got their first chunk, oldest first.
     firsts: deque[float] = field(default_factory=deque)
 
@@ -123,19 +147,24 @@ class QueueModel:
         ahead = own_ahead + others
         per = e.prefill_s if e.prefill_s is not None else prior_s
         others_load = max(0, e.load.running + e.load.waiting - e.own_inflight_at_poll)
-        return QueueEstimate(engine, ahead, ahead * per, others_load + self._own_inflight(engine), e.prefill_s)
+        wake = self.wake_s(engine) if self.idle(engine, now) else 0.0
+        return QueueEstimate(engine, ahead, ahead * per + wake, others_load + self._own_inflight(engine),
+                             e.prefill_s, wake)
 
     # -- one attempt --------------------------------------------------------------------------------
     def sent(self, engine: str, now: float, *, streaming: bool, expected_first_s: float) -> Ticket:
         """Record an attempt; ``expected_first_s``: its predicted time to first token (queue wait
         plus service), which ends a non-streamed attempt's place in the queue."""
         assert engine in self._engines, engine
-        t = Ticket(next(self._ids), engine)
-        self._attempts[t.id] = _Attempt(engine, now, streaming, now + max(0.0, expected_first_s))
+        idle = self.idle(engine, now)
+        t = Ticket(next(self._ids), engine, idle)
+        self._attempts[t.id] = _Attempt(engine, now, streaming, now + max(0.0, expected_first_s), idle)
         return t
 
-    def first_byte(self, ticket: Ticket, now: float) -> float | None:
-        """The attempt's first chunk arrived; returns the prefill sample it gave (None: not one)."""
+    def first_byte(self, ticket: Ticket, now: float, priced_s: float | None = None) -> float | None:
+        """The attempt's first chunk arrived; returns the prefill sample it gave (None: not one).
+        ``priced_s``: the service time predicted for it when it was chosen (None: not priced);
+        for an attempt sent to an idle engine, the sample less it is a sample of waking."""
         a = self._attempts[ticket.id]
         if a.first_at is not None:
             return None
@@ -148,10 +177,18 @@ class QueueModel:
         sample = max(0.0, now - start)
         e.last_first_at = now
         e.prefill_s = sample if e.prefill_s is None else (1 - EWMA_WEIGHT) * e.prefill_s + EWMA_WEIGHT * sample
+        if a.idle and priced_s is not None:
+            excess = sample - priced_s
+            # From 0, not from the first sample: an engine's first request after a reset or a
+            # start can take several times its price, and one such sample alone sent requests
+            # away from the engine holding their prefix (a 17 ms wake against 3 ms measured).
+            e.wake_excess_s = (1 - EWMA_WEIGHT) * e.wake_excess_s + EWMA_WEIGHT * excess
         return sample
 
-    def done(self, ticket: Ticket) -> None:
-        del self._attempts[ticket.id]
+    def done(self, ticket: Ticket, now: float) -> None:
+        a = self._attempts.pop(ticket.id)
+        e = self._engines[a.engine]
+        e.last_done_at = now if e.last_done_at is None else max(e.last_done_at, now)
 
     # -- derived counts -----------------------------------------------------------------------------
     def prefill_s(self, engine: str) -> float | None:
@@ -160,6 +197,17 @@ class QueueModel:
 
     def inflight(self, engine: str) -> int:
         return self._own_inflight(engine)
+
+    def idle(self, engine: str, now: float) -> bool:
+        """Whether ``engine`` is idle (module docstring): asleep for all this router knows."""
+        e = self._engines[engine]
+        if self._own_inflight(engine) or e.load.running + e.load.waiting > e.own_inflight_at_poll:
+            return False
+        return e.last_done_at is None or now - e.last_done_at >= WARM_S
+
+    def wake_s(self, engine: str) -> float:
+        """The engine's measured waking time (0 before a sample, and never below 0)."""
+        return max(0.0, self._engines[engine].wake_excess_s)
 
     def _own_inflight(self, engine: str) -> int:
         return sum(1 for a in self._attempts.values() if a.engine == engine)

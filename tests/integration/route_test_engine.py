@@ -51,6 +51,10 @@ class TestEngine:
         self.prefill_s = prefill_s
         self.health_s = 0.0
         self.token_s = token_s
+        # Added to a prefill when the engine finished nothing in the last second (a vLLM engine
+        # stops busy-polling a second after its last message and sleeps until the next).
+        self.wake_s = 0.0
+        self.last_end: float | None = None
         # Its own tokenization, not the router's code nor transformers': the tokenizer file read by
         # the tokenizers library and the chat template rendered by jinja2, as a model directory has them.
         self.tok = None
@@ -96,6 +100,9 @@ class TestEngine:
             async with self.lock:
                 m.dec()
                 self.running.labels("m").inc()
+                now = asyncio.get_running_loop().time()
+                if self.wake_s and (self.last_end is None or now - self.last_end >= 1.0):
+                    await asyncio.sleep(self.wake_s)
                 await asyncio.sleep(self.prefill_s)
         except BaseException:
             m.dec()
@@ -125,6 +132,7 @@ class TestEngine:
                                       "usage": {"prompt_tokens": len(ids)}, "kvtier_test_engine": extra})
         finally:
             self.running.labels("m").dec()
+            self.last_end = asyncio.get_running_loop().time()
 
     async def health(self, request: web.Request) -> web.Response:
         await asyncio.sleep(self.health_s)  # a busy engine answers its polls late
@@ -140,12 +148,13 @@ class TestEngine:
         return web.json_response(self.served)
 
     async def set_prefill(self, request: web.Request) -> web.Response:
-        """The test's knob: this engine's prefill time (and time per streamed token, and how late
-        it answers /health) from now on."""
+        """The test's knob: this engine's prefill time (and time per streamed token, how late it
+        answers /health, and how much longer a prefill takes after a second idle) from now on."""
         body = await request.json()
         self.prefill_s = float(body["ms"]) / 1e3
         self.token_s = float(body.get("token_ms", 0)) / 1e3
         self.health_s = float(body.get("health_ms", 0)) / 1e3
+        self.wake_s = float(body.get("wake_ms", 0)) / 1e3
         return web.json_response({"prefill_ms": self.prefill_s * 1e3})
 
 

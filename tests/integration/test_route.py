@@ -8,7 +8,8 @@ tests/engines/vllm_engine/test_router_vllm.py.
 Covers: a cached prefix (token ids, text, chat) goes to the engine whose node holds it, for its
 own tenant only; the answer is the engine's, byte for byte, streamed or not; the salt reaches the
 engine and no log; a queue, or an engine slower than priced, outweighs a cache edge; load is
-balanced when nothing gives an edge; engines killed and frozen drop out, in-flight requests are
+balanced when nothing gives an edge, and a tie goes to the engine awake once the other is measured
+slow to wake; engines killed and frozen drop out, in-flight requests are
 retried elsewhere, a clear 503 when none is up, and they rejoin; daemons frozen and killed
 mid-run (issue 30 part 6): the router answers by load and returns to the cache when the daemon
 is back; bad input and bad flags.
@@ -20,6 +21,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +239,41 @@ def test_an_engine_slower_than_priced_loses_its_cache_edge(fleet: Fleet) -> None
         assert second.body == complete(f.engine_url("a"), Q, alice, stream=True).body
     finally:
         r.stop()
+
+
+def test_a_tie_goes_to_the_engine_awake_once_the_other_is_measured_slow_to_wake(fleet: Fleet) -> None:
+    """Engine b takes 300 ms more to start after a second idle (kvtier/router/queue_model.py,
+    ``wake``). Its first request, sent to it asleep, measures that; a prompt both nodes hold alike
+    then goes to a, which just served, by its shorter wait. Control: a router that has measured no
+    waking, in the same state (a just served, b asleep), ties them and balances. Routers of their own."""
+    f = fleet
+    alice = f.dep.salt("acme", "alice")
+    only_b, only_a, both = (list(range(s, s + 5 * BT + 1)) for s in (13000, 13500, 14000))
+    f.store("b", alice, only_b)
+    f.store("a", alice, only_a)
+    for node in "ab":
+        f.store(node, alice, both)
+    assert call(f.engine_url("b"), "/test/prefill", {"ms": 0, "wake_ms": 300}).status == 200
+    engines = {n: f.engine_url(n) for n in f.engines}
+    nodes = {n: p.address for n, p in f.nodes.items()}
+    for name, measured in (("wake", True), ("no-wake", False)):
+        r = router(f.root / name, engines, nodes=nodes, token_file=f.token_file, tokenizer=f.tokenizer)
+        u = r.ready["url"]
+        try:
+            if measured:
+                first = complete(u, only_b, alice, stream=True)
+                assert (first.engine, first.route) == ("b", "cache")
+                assert metric(u, "kvtier_router_wake_seconds", engine="b") > 0.04  # about 0.2 x 300 ms
+            time.sleep(1.2)  # b asleep, whatever it served last
+            awake = complete(u, only_a, alice, stream=True)
+            assert (awake.engine, awake.route) == ("a", "cache")
+            tie = complete(u, both, alice, stream=True)
+            if measured:
+                assert (tie.engine, tie.route) == ("a", "queue")
+            else:
+                assert tie.route == "balanced"  # no edge: the load, then the rotation, chose
+        finally:
+            r.stop()
 
 
 def _locates(url: str) -> float:

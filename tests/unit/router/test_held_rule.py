@@ -43,7 +43,7 @@ class World:
         self.now += prefill_s
         self.queue.first_byte(t, self.now)
         self.cached.computed(p)
-        self.queue.done(t)
+        self.queue.done(t, self.now)
         self.cached.settled(p)
 
     def located(self, tokens: list[int], matched: dict[str, int], block_ms: float = 10.0) -> None:
