@@ -25,9 +25,11 @@ and whatever the request needs left the caches; on two shared cores a request to
 for over a second took 2.5 ms longer to its first chunk (benchmarks/results/issue30/
 engine-idle.json). How much longer is measured per engine, not assumed: ``wake_e`` is the running
 mean (weight ``EWMA_WEIGHT``) over the streamed attempts sent to e while idle of their prefill
-sample less the service time predicted for them (the caller's ``priced_s``), starting from 0, at
-least 0. With it a request that the cache ties between an engine that just served and one
-asleep goes to the first by its shorter wait (where waking costs nothing, both are alike).
+sample less the service time predicted for them (the caller's ``priced_s``, at the engine's pace,
+which the router learns from the attempts sent awake: kvtier/router/pace.py), each at most
+``priced_s``, starting from 0, at least 0. With it a request that the cache ties between an
+engine that just served and one asleep goes to the first by its shorter wait (where waking costs
+nothing, both are alike).
 
 Prefill time is measured from streamed responses only: request i's prefill starts when it is sent
 or when the previous streamed request to e got its first chunk, whichever is later (one prefill
@@ -178,7 +180,9 @@ class QueueModel:
         e.last_first_at = now
         e.prefill_s = sample if e.prefill_s is None else (1 - EWMA_WEIGHT) * e.prefill_s + EWMA_WEIGHT * sample
         if a.idle and priced_s is not None:
-            excess = sample - priced_s
+            # At most the price again: one attempt held up by something else (a save in progress
+            # on its node, a burst of the other engine's) moves the mean by a fifth of its price at most.
+            excess = min(sample - priced_s, priced_s)
             # From 0, not from the first sample: an engine's first request after a reset or a
             # start can take several times its price, and one such sample alone sent requests
             # away from the engine holding their prefix (a 17 ms wake against 3 ms measured).

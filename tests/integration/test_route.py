@@ -263,7 +263,8 @@ def test_a_tie_goes_to_the_engine_awake_once_the_other_is_measured_slow_to_wake(
             if measured:
                 first = complete(u, only_b, alice, stream=True)
                 assert (first.engine, first.route) == ("b", "cache")
-                assert metric(u, "kvtier_router_wake_seconds", engine="b") > 0.04  # about 0.2 x 300 ms
+                # 300 ms late, counted as at most its price again: a fifth of that price.
+                assert metric(u, "kvtier_router_wake_seconds", engine="b") > 0.002
             time.sleep(1.2)  # b asleep, whatever it served last
             awake = complete(u, only_a, alice, stream=True)
             assert (awake.engine, awake.route) == ("a", "cache")

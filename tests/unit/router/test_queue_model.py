@@ -152,3 +152,10 @@ def test_a_faster_than_priced_idle_engine_wakes_in_no_time() -> None:
     t = q.sent("a", 0.0, streaming=True, expected_first_s=0.02)
     q.first_byte(t, 0.015, priced_s=0.02)
     assert q.wake_s("a") == 0.0 and q.predict("a", 5.0, prior_s=0.02).wait_s == 0.0
+
+
+def test_one_idle_attempt_held_up_by_something_else_moves_the_waking_by_a_fifth_of_its_price_at_most() -> None:
+    q = QueueModel(["a"])
+    t = q.sent("a", 0.0, streaming=True, expected_first_s=0.02)
+    q.first_byte(t, 0.070, priced_s=0.02)  # 50 ms beyond a 20 ms price
+    assert q.wake_s("a") == pytest.approx(EWMA_WEIGHT * 0.02)
