@@ -85,7 +85,7 @@ def pinned_command(cores: str, cmd: Sequence[str]) -> list[str]:
     from the other's compute core. Two engines on two cores then slowed each other by up to 10x:
     vllm-router ``round_robin``'s TTFT p99 was 1,493 ms with the compute threads bound and 115-144
     ms with the whole engines bound (benchmarks/results/issue30/
-    fleet-1205-1858-compute-threads-bound.json, fleet-1205-2303-before-load-price.json, fleet.json).
+    fleet-1205-1858-compute-threads-bound.json, fleet-1205-2303-before-load-price.json, fleet-1205-2326.json).
     A fleet's engines have their own accelerators; bound this way they are as close to that as two
     shared cores allow."""
     taskset = shutil.which("taskset")
