@@ -12,10 +12,10 @@ engine::
 
 weight ``WEIGHT`` for the newest; 1 before any. Only attempts sent while e was awake count: an idle
 engine's waking is a delay before it starts, measured apart and added to its wait
-(kvtier/router/queue_model.py, ``wake``), not a slower compute. Seen on two cores at 4 requests a second: first
-chunks a median 1.6-2.6x, p90 3.5-8.9x later than priced (docs/benchmarks.md), and a request sent
-away from its cache for a shorter queue, priced at an idle engine's recompute, waited several
-times that.
+(kvtier/router/queue_model.py, ``wake``), not a slower compute. Seen on two cores at 4 requests a
+second: first chunks a median 1.6-2.6x, p90 3.5-8.9x later than priced (docs/benchmarks.md), and a
+request sent away from its cache for a shorter queue, priced at an idle engine's recompute, waited
+several times that.
 
 A pace is only as recent as its engine's last sample: an engine priced out of requests by a slow
 spell gets no samples to show it recovered. So the excess over 1 halves every ``HALF_LIFE_S``

@@ -45,8 +45,8 @@ Load (what the router balances when the prediction gives no engine an edge)::
 
 Protocol, per request: ``predict`` every engine -> ``sent`` to the one chosen (a ``Ticket``) ->
 ``first_byte(ticket, now, priced_s)`` when its first chunk comes -> ``done(ticket, now)`` when the
-attempt ends, in every case (answered, failed, cancelled). ``polled`` whenever an engine's metrics arrive, with the
-time they were asked for.
+attempt ends, in every case (answered, failed, cancelled). ``polled`` whenever an engine's metrics
+arrive, with the time they were asked for.
 Not thread-safe: the router calls it from its event loop only. Times are ``time.monotonic()``
 seconds, given by the caller.
 """
@@ -99,7 +99,6 @@ class _Attempt:
     sent_at: float
     streaming: bool
     expected_first_at: float
-    idle: bool
     first_at: float | None = None
 
 
@@ -160,7 +159,7 @@ class QueueModel:
         assert engine in self._engines, engine
         idle = self.idle(engine, now)
         t = Ticket(next(self._ids), engine, idle)
-        self._attempts[t.id] = _Attempt(engine, now, streaming, now + max(0.0, expected_first_s), idle)
+        self._attempts[t.id] = _Attempt(engine, now, streaming, now + max(0.0, expected_first_s))
         return t
 
     def first_byte(self, ticket: Ticket, now: float, priced_s: float | None = None) -> float | None:
@@ -179,7 +178,7 @@ class QueueModel:
         sample = max(0.0, now - start)
         e.last_first_at = now
         e.prefill_s = sample if e.prefill_s is None else (1 - EWMA_WEIGHT) * e.prefill_s + EWMA_WEIGHT * sample
-        if a.idle and priced_s is not None:
+        if ticket.idle and priced_s is not None:
             # At most the price again: one attempt held up by something else (a save in progress
             # on its node, a burst of the other engine's) moves the mean by a fifth of its price at most.
             excess = min(sample - priced_s, priced_s)
