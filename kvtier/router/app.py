@@ -56,6 +56,7 @@ from kvtier.router.pace import Pace
 from kvtier.router.prefix_demand import PrefixDemand
 from kvtier.router.prompts import CHAT, COMPLETIONS, NO_TOKENIZER, PromptTokenizer, RequestPrompt, request_prompt
 from kvtier.router.proxy import ANSWERED, CLIENT_GONE, FAILED_MID_RESPONSE, Proxy
+from kvtier.router.public_prefixes import PublicPrefixes
 from kvtier.router.queue_model import QueueModel
 from kvtier.router.service_tail import ServiceTail
 from kvtier.server.locate import Located
@@ -132,7 +133,8 @@ class Router:
         self.pace = Pace(e.name for e in self.engines)
         #: How often each prefix was asked for lately (kvtier/router/prefix_demand.py).
         self.demand = PrefixDemand()
-        self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser, self.pace, self.demand)
+        self.held_rule = HeldRule(self.engines, self.cached, self.queue, self.chooser, self.pace, self.demand,
+                                  public=PublicPrefixes(settings.edge))
         m = settings.locate_budget_min_s
         self.budget = LocateBudget(m, self.pace) if m is not None else None
         #: Tokens a block, from the daemons' Locate answers (0: none yet).
@@ -223,7 +225,7 @@ class Router:
         bt = self._block_tokens
         if prompt.tokens is not None and bt:
             digests = self.cached.digests(prompt.tokens, prompt.salt, bt)
-        held = self._held(digests) if digests else None
+        held = self._held(digests, prompt) if digests else None
         located = None
         if held is None:
             located = await self._locate(prompt, digests)
@@ -235,7 +237,10 @@ class Router:
                         self.held_rule.block_tokens(answer_bt)
                     digests = self.cached.digests(prompt.tokens, prompt.salt, answer_bt) if answer_bt else ()
             if located:
-                self._learn(digests, located)
+                public: tuple[bytes, ...] = ()
+                if digests and any(a.public_blocks for a in located.values()):
+                    public = self._public_digests(prompt, digests, self._block_tokens)
+                self._learn(digests, located, public)
         return await self._attempts(request, endpoint, "POST", raw, prompt, located, arrival, digests, held)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
@@ -271,21 +276,32 @@ class Router:
         return dict(await self.cache.locate(prompt.tokens, prompt.salt, budget_s=budget_s,
                                             on_late=lambda late: self._learn(digests, late)))
 
-    def _learn(self, digests: tuple[bytes, ...], located: Mapping[str, Located]) -> None:
-        """What Locate answers teach: the held rule where each node's blocks are, the budget their price."""
-        self.held_rule.located(digests, located)
+    def _learn(self, digests: tuple[bytes, ...], located: Mapping[str, Located],
+               public: tuple[bytes, ...] = ()) -> None:
+        """What Locate answers teach: the held rule where each node's blocks are (and, given the
+        prompt's salt-free digests, which public prefixes they held alike), the budget their price."""
+        self.held_rule.located(digests, located, public, time.monotonic())
         if self.budget is not None:
             self.budget.located(located.values())
 
-    def _held(self, digests: tuple[bytes, ...]) -> Choice | None:
+    def _held(self, digests: tuple[bytes, ...], prompt: RequestPrompt) -> Choice | None:
         """The choice without Locate (kvtier/router/held_rule.py), or None: ask it."""
         assert self._watch is not None
         if self.cache is None or not self.settings.skip_locate:
             return None
-        choice = self.held_rule.decide(self._watch.up_engines(), digests, time.monotonic())
+        up, now = self._watch.up_engines(), time.monotonic()
+        choice = self.held_rule.decide(up, digests, now)
+        if choice is None and self.held_rule.public:  # a first turn: a public prefix every node holds?
+            choice = self.held_rule.public_tie(up, digests, self._public_digests(prompt, digests, self._block_tokens),
+                                               now)
         if choice is not None:
             self.metrics.locate_skipped.inc()
         return choice
+
+    def _public_digests(self, prompt: RequestPrompt, digests: tuple[bytes, ...], bt: int) -> tuple[bytes, ...]:
+        """The prompt's block digests without its salt (``digests`` where it has none)."""
+        assert prompt.tokens is not None
+        return digests if not prompt.salt else self.cached.digests(prompt.tokens, "", bt)
 
     def _candidates(self, engines: Sequence[EngineSpec], located: dict[str, Located] | None,
                     now: float, digests: tuple[bytes, ...]) -> list[Candidate]:

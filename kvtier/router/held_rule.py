@@ -34,7 +34,15 @@ but this router (another router's requests for the same conversation, a document
 since). ``kvtier route --locate-every-request`` turns the rule off for such fleets. The filters
 never forget; as they fill, more requests read as possibly held and ask ``Locate``.
 
-Protocol: ``decide(up, digests, now)`` before ``Locate`` -> ``located(digests, answers)`` after one
+A user's first turn matches nothing under its salt, so the rule above never skips it. Where its
+prompt starts with a public prefix that every node's tiers held alike at the last ``Locate`` of
+that prefix, within seconds (kvtier/router/public_prefixes.py), and no block of it is seen
+anywhere beyond, ``public_tie`` decides it without ``Locate`` as ``Locate`` would: every engine
+tied, the queue and the load decide (route ``queue`` or ``balanced``).
+
+Protocol: ``decide(up, digests, now)`` (then, for a prompt no engine holds any of,
+``public_tie(up, digests, public_digests, now)``) before ``Locate`` -> ``located(digests, answers,
+public_digests, now)`` after one
 (or, when no node answered within the request's budget, ``unlocated(up, digests, now)``: the
 engines priced by what they hold themselves) -> per attempt, ``sent(engine, digests)``; for a
 prompt whose token ids are known before the block size is (no daemon has answered yet)
@@ -52,6 +60,7 @@ from kvtier.router.engine_cache import EngineCacheView
 from kvtier.router.engines import EngineSpec
 from kvtier.router.pace import Pace
 from kvtier.router.prefix_demand import PrefixDemand
+from kvtier.router.public_prefixes import PublicPrefixes
 from kvtier.router.queue_model import QueueModel
 from kvtier.router.seen_blocks import SeenBlocks
 from kvtier.server.locate import Located
@@ -73,8 +82,10 @@ class HeldRule:
 
     def __init__(self, engines: Sequence[EngineSpec], cached: EngineCacheView, queue: QueueModel,
                  chooser: Chooser, pace: Pace, demand: PrefixDemand, *, node_bits: int = NODE_BITS,
-                 fleet_bits: int = FLEET_BITS) -> None:
+                 fleet_bits: int = FLEET_BITS, public: PublicPrefixes | None = None) -> None:
         self.cached = cached
+        #: Public prefixes the nodes held alike (None: first turns always ask Locate).
+        self.public = public
         self.queue = queue
         self.chooser = chooser
         self.pace = pace
@@ -118,6 +129,24 @@ class HeldRule:
             floors.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
         return self.chooser.held(holders, floors, now, self.demand.rate(digests, r, now))
 
+    def public_tie(self, up: Sequence[EngineSpec], digests: Sequence[bytes], public_digests: Sequence[bytes],
+                   now: float) -> Choice | None:
+        """The choice without ``Locate`` for a prompt no engine holds any of (module docstring),
+        or None: ask it. ``public_digests``: the prompt's blocks digested without its salt."""
+        if not self.public or not up or any(e.node in self.untracked for e in up):
+            return None
+        if any(self.cached.resident(e.name, digests) for e in up) or not self._anywhere.none_seen(digests):
+            return None  # something of this prompt under its salt is somewhere: decide() or Locate
+        blocks, nodes = self.public.tied(public_digests, now)
+        if not blocks or any(e.node not in nodes for e in up) or not self._anywhere.none_seen(public_digests[blocks:]):
+            return None
+        measured = [p for p in (self.queue.prefill_s(e.name) for e in up) if p is not None]
+        if not measured:
+            return None  # no queue can be priced yet
+        prior = max(measured)
+        return self.chooser.choose([Candidate(e.name, q.wait_s, 0.0, q.load) for e in up
+                                    for q in (self.queue.predict(e.name, now, prior),)], now)
+
     def unlocated(self, up: Sequence[EngineSpec], digests: Sequence[bytes], now: float) -> list[Candidate] | None:
         """Every engine priced without a ``Locate`` answer (none came within the request's budget,
         or every node is down), by what it holds itself: the holders at their measured prefill
@@ -146,8 +175,12 @@ class HeldRule:
             return None
         return resident, r, max(measured)
 
-    def located(self, digests: Sequence[bytes], answers: Mapping[str, Located]) -> None:
-        """What a Locate found: each node's leading blocks (any tier), and its price a block."""
+    def located(self, digests: Sequence[bytes], answers: Mapping[str, Located],
+                public_digests: Sequence[bytes] = (), now: float | None = None) -> None:
+        """What a Locate found: each node's leading blocks (any tier), and its price a block; with
+        the prompt's salt-free digests and the time, the public prefixes the nodes held alike."""
+        if self.public is not None and public_digests and now is not None:
+            self.public.record(public_digests, answers, now)
         for node, a in answers.items():
             if a.matched_blocks and digests:
                 self._add(node, digests[: a.matched_blocks])

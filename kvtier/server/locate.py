@@ -136,6 +136,9 @@ class Located:
     #: cache, which no daemon sees): the new tokens alone computed, after that context. What a
     #: router that knows what it sent there prices such an engine at (kvtier/router/engine_cache.py).
     tail_ms: float = 0.0
+    #: Of ``matched_blocks``, the leading ones in the public scope: what the same query without a
+    #: salt finds, the same for every principal (0 for a query by keys, which names no scope).
+    public_blocks: int = 0
 
     def block_ms(self) -> float | None:
         """The cost model's price of computing one requested block here: ``(recompute_ms -
@@ -241,6 +244,7 @@ class Locator:
         self._check(query)
         p = self.end_principal(credential, acting, query.salt)
         self.gate.policy.require_active(p)  # also for a query too short to look up
+        public = 0
         if query.keys:
             requested, new_tokens = len(query.keys), max(1, query.tail_tokens)
             lookup = self.gate.lookup(p, list(query.keys), local_only=query.local_only).lookup
@@ -248,8 +252,8 @@ class Locator:
             n = len(query.tokens)
             requested = (n - 1) // bt if n else 0  # the last token is always computed
             new_tokens = max(1, n - requested * bt)
-            lookup = (self._scoped_lookup(p, query.tokens, requested, query.local_only) if requested
-                      else Lookup.miss(0))
+            lookup, public = (self._scoped_lookup(p, query.tokens, requested, query.local_only) if requested
+                              else (Lookup.miss(0), 0))
         model = CostModel(s.prefill, self.costs.profiles(t.name for t in self.store.tiers),
                           host_to_device=s.host_to_device, front_copies=0)
         planned = model.plan(lookup, new_tokens, layout)
@@ -262,6 +266,10 @@ class Locator:
             recompute_ms=planned.option("full-recompute").predicted_ms,
             tail_ms=float(s.prefill.predict(new_tokens, requested * bt)) * 1e3,
             shared=None if query.omit_shared or query.local_only else self._shared(lookup, model, new_tokens),
+            # The scope rule's public part, as far as the lookup reached. A public run shorter than
+            # the minimum public prefix is hidden from every other principal and keyed in the
+            # caller's own scope: the rule counts none of it public.
+            public_blocks=min(public, lookup.length),
         )
 
     def _check(self, q: LocateQuery) -> None:
@@ -287,13 +295,15 @@ class Locator:
             if key_layout_tag(k) != tag:
                 raise InvalidRequest(f"keys[{i}]: not a key of this node's layout ({s.layout.model_id})")
 
-    def _scoped_lookup(self, p: Principal, tokens: Sequence[int], n_blocks: int, local_only: bool) -> Lookup:
+    def _scoped_lookup(self, p: Principal, tokens: Sequence[int], n_blocks: int,
+                       local_only: bool) -> tuple[Lookup, int]:
         """The engine's keys of the first ``n_blocks`` blocks, scoped by the engines' own rule and
-        looked up. Blocks beyond a shorter chain (a principal without a scope of the private kind
-        gets the public part alone) are requested all the same: the engine computes them."""
+        looked up, and how many leading blocks the rule put in the public scope. Blocks beyond a
+        shorter chain (a principal without a scope of the private kind gets the public part
+        alone) are requested all the same: the engine computes them."""
         cache = cast(PrefixCache, _OwnTiers(self.cache)) if local_only else self.cache
         found = self.rule.scoped_lookup(cache, p, tokens, n_blocks, self.settings.layout)
-        return replace(found.lookup, requested=n_blocks)
+        return replace(found.lookup, requested=n_blocks), found.prompt.public_blocks
 
     def _chosen(self, plan: Plan) -> PlanOption:
         """The plan the node's engines would run (``engine_choice``, as their connector decides)."""

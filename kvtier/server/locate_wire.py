@@ -49,6 +49,7 @@ def located_to_msg(a: Located) -> pb.LocateResponse:
         tiers=[pb.TierBlocks(tier=t.tier, level=t.level, blocks=t.blocks) for t in a.tiers],
         runs=[pb.TierRun(tier=r.tier, level=r.level, start=r.start, count=r.count) for r in a.runs],
         ttft_ms=a.ttft_ms, plan=a.plan, recompute_ms=a.recompute_ms, tail_ms=a.tail_ms,
+        public_blocks=a.public_blocks,
     )
     if a.shared is not None:
         out.shared.CopyFrom(pb.SharedTier(tier=a.shared.tier, blocks=a.shared.blocks, ttft_ms=a.shared.ttft_ms))
@@ -63,6 +64,7 @@ def located_from_msg(m: pb.LocateResponse) -> Located:
         tiers=tuple(TierShare(t.tier, t.level, t.blocks) for t in m.tiers),
         runs=tuple(TierRun(r.level, r.tier, r.start, r.count) for r in m.runs),
         ttft_ms=m.ttft_ms, plan=m.plan, recompute_ms=m.recompute_ms, tail_ms=m.tail_ms, shared=shared,
+        public_blocks=m.public_blocks,
     )
 
 
@@ -74,6 +76,7 @@ def located_json(a: Located) -> dict[str, Any]:
         "tiers": [{"tier": t.tier, "level": t.level, "blocks": t.blocks} for t in a.tiers],
         "runs": [{"tier": r.tier, "level": r.level, "start": r.start, "count": r.count} for r in a.runs],
         "ttft_ms": a.ttft_ms, "plan": a.plan, "recompute_ms": a.recompute_ms, "tail_ms": a.tail_ms,
+        "public_blocks": a.public_blocks,
         "shared": None if a.shared is None else {"tier": a.shared.tier, "blocks": a.shared.blocks,
                                                  "ttft_ms": a.shared.ttft_ms},
     }

@@ -142,7 +142,11 @@ def test_locate_finds_what_the_engine_path_stored(tmp_path: Path, rule: str) -> 
         prompt = publish(d, dep, 3, token_base=300) + list(range(6000, 6000 + 4 * BT + 3))
         n = engine.store(alice, prompt)
         assert n == 7 and engine.found(alice, prompt) == n
-        assert locate(r, prompt, alice).matched_blocks == n
+        got = locate(r, prompt, alice)
+        assert got.matched_blocks == n
+        # The published document's blocks are public under the registry's rule; under 'private'
+        # the engines key everything in the user's scope.
+        assert got.public_blocks == (3 if rule == "public-registry" else 0)
         # One block more than was stored: the prefix is the stored part, the rest is computed.
         longer = prompt + list(range(7000, 7000 + BT))
         got = locate(r, longer, alice)

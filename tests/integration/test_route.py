@@ -30,7 +30,7 @@ import pytest
 
 from benchmarks.localdeploy import LocalDeployment
 from kvtier.cli.main import main
-from tests.integration.locate_rig import BT, Engine, deployment
+from tests.integration.locate_rig import BT, Engine, deployment, publish
 from tests.integration.route_rig import (
     Answer,
     Proc,
@@ -279,6 +279,37 @@ def test_a_tie_goes_to_the_engine_awake_once_the_other_is_measured_slow_to_wake(
 
 def _locates(url: str) -> float:
     return sum(metric(url, "kvtier_router_locate_answers_total", node=n, status="ok") for n in "ab")
+
+
+def test_a_first_turn_on_a_public_document_every_node_holds_is_decided_without_locate(fleet: Fleet) -> None:
+    """Bob's first turn on a document published to both nodes is Located, and both answers hold
+    its public blocks alike (kvtier/router/public_prefixes.py). Alice's first turn on it, with
+    her own salt and question, then needs no Locate: the nodes tie, the queue and the load decide.
+    Control: a document only node a holds is Located for every first turn, and goes to a."""
+    f = fleet
+    for p in f.nodes.values():
+        doc = publish(p, f.dep, 4, token_base=15000)  # type: ignore[arg-type]
+    only_a = publish(f.nodes["a"], f.dep, 4, token_base=16000)  # type: ignore[arg-type]
+    bob, alice, carol = f.dep.salt("globex", "bob"), f.dep.salt("acme", "alice"), f.dep.salt("acme", "carol")
+    r = router(f.root / "public", {n: f.engine_url(n) for n in f.engines},
+               nodes={n: p.address for n, p in f.nodes.items()}, token_file=f.token_file, tokenizer=f.tokenizer)
+    u = r.ready["url"]
+
+    def first_turn(document: list[int], salt: str, question: int) -> tuple[Answer, float, float]:
+        locates, skipped = _locates(u), metric(u, "kvtier_router_locate_skipped_total")
+        got = complete(u, document + list(range(question, question + BT + 1)), salt, stream=True)
+        assert got.status == 200, got.body
+        return got, _locates(u) - locates, metric(u, "kvtier_router_locate_skipped_total") - skipped
+
+    try:
+        assert first_turn(doc, bob, 17000)[1:] == (2, 0)  # both nodes asked
+        got, asked, skipped = first_turn(doc, alice, 17500)
+        assert (asked, skipped) == (0, 1) and got.route in ("queue", "balanced")
+        assert first_turn(only_a, bob, 18000)[1:] == (2, 0)  # control
+        got, asked, skipped = first_turn(only_a, carol, 18500)
+        assert (asked, skipped) == (2, 0) and (got.engine, got.route) == ("a", "cache")
+    finally:
+        r.stop()
 
 
 def test_a_new_turn_on_the_engine_that_computed_its_history_is_decided_without_locate(fleet: Fleet) -> None:

@@ -61,12 +61,13 @@ def test_a_tenants_private_prefix_is_answered_as_a_prefix_nobody_cached(rig) -> 
     # Control: for bob the whole chain is there, in the memory tier; the engine's own lookup agrees.
     own = locate(r, secret, bob)
     assert own.matched_blocks == n == engine.found(bob, secret)
+    assert own.public_blocks == PUBLIC_BLOCKS  # bob's own blocks are never counted public
     assert own.tiers[0].tier == "memory" and own.tiers[0].blocks == n and own.plan != "full-recompute"
     # Alice sends bob's exact tokens: the public document only, exactly as for a conversation
     # nobody cached (same length, different private tokens).
     never = doc + _private(2)
     assert located_json(locate(r, secret, alice)) == located_json(locate(r, never, alice))
-    assert locate(r, secret, alice).matched_blocks == PUBLIC_BLOCKS
+    assert locate(r, secret, alice).matched_blocks == PUBLIC_BLOCKS == locate(r, secret, alice).public_blocks
     # By keys: bob's keys presented by a router for alice end the prefix before any tier is asked,
     # and the answer is that of keys nobody stored.
     ch = grpc.insecure_channel(d.address)
@@ -214,11 +215,15 @@ def test_timing_mitigations_apply_to_the_end_principal(tmp_path: Path) -> None:
         short = publish(d, dep, 2, token_base=1300)
         engine.store(alice, short + _private(7))
         assert locate(r, short + _private(7), alice).matched_blocks == 2 + PRIVATE_BLOCKS  # control
+        # Keyed as alice's own (the short document is rescoped): none of it is public here, so a
+        # router cannot take it for a public document every salt would find.
+        assert locate(r, short + _private(7), alice).public_blocks == 0
         assert locate(r, short + _private(7)).matched_blocks == 0
         nobody = list(range(900_000, 900_000 + len(short) + len(_private(7))))
         assert located_json(locate(r, short + _private(7))) == located_json(locate(r, nobody))
         long_ = publish(d, dep, 3, token_base=1400)
         assert locate(r, long_ + _private(9)).matched_blocks == 3  # 3 public blocks: not hidden
+        assert locate(r, long_ + _private(9)).public_blocks == 3  # control of the rescoped case
     finally:
         engine.close()
         r.close()

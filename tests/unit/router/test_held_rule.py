@@ -11,6 +11,7 @@ from kvtier.router.engines import EngineSpec
 from kvtier.router.held_rule import HeldRule
 from kvtier.router.pace import Pace
 from kvtier.router.prefix_demand import PrefixDemand
+from kvtier.router.public_prefixes import TTL_S, PublicPrefixes
 from kvtier.router.queue_model import QueueModel
 from kvtier.server.locate import Located
 
@@ -170,3 +171,67 @@ def test_without_any_answer_engines_are_priced_by_what_they_hold_themselves() ->
     d = w3.digests(HISTORY)
     w3.cached.computed(w3.cached.sent("a", d))
     assert w3.rule.unlocated([A, B], w3.digests(TURN), w3.now) is None
+
+
+# -- a first turn on a public prefix every node holds alike (kvtier/router/public_prefixes.py) ------
+DOC = list(range(2000, 2000 + 5 * BT))  # a public document of 5 blocks
+
+
+def _public_answers(n: int, public: dict[str, tuple[int, float]]) -> dict[str, Located]:
+    """Per node: (public blocks matched, predicted TTFT ms)."""
+    return {node: Located(node=node, model="m", block_tokens=BT, requested_blocks=n, new_tokens=1,
+                          matched_blocks=p, tiers=(), runs=(), ttft_ms=ms, plan="p", recompute_ms=5.0 + n * 10.0,
+                          shared=None, tail_ms=5.0, public_blocks=p)
+            for node, (p, ms) in public.items()}
+
+
+class FirstTurns:
+    """Bob's first turn on DOC was located with these answers; alice's first turn (another salt,
+    another question) comes ``later`` seconds after."""
+
+    def __init__(self, public: dict[str, tuple[int, float]]) -> None:
+        self.w = World([A, B])
+        self.w.rule.public = PublicPrefixes(Edge())
+        w = self.w
+        w.served(A, list(range(9000, 9000 + 2 * BT)))  # a prefill measured: queues can be priced
+        bob = [*DOC, *range(3000, 3000 + BT), 7]
+        n = (len(bob) - 1) // BT
+        w.rule.located(w.cached.digests(bob, "globex:bob", BT), _public_answers(n, public),
+                       w.cached.digests(bob, "", BT), w.now)
+
+    def alice(self, later: float = 1.0, salt: str = SALT):
+        w = self.w
+        tokens = [*DOC, *range(4000, 4000 + 2 * BT), 7]
+        return w.rule.public_tie([A, B], w.cached.digests(tokens, salt, BT), w.cached.digests(tokens, "", BT),
+                                 w.now + later)
+
+
+def test_a_first_turn_on_a_public_prefix_every_node_holds_alike_is_decided_without_locate() -> None:
+    got = FirstTurns({"a": (5, 30.0), "b": (5, 30.5)}).alice()
+    assert got is not None and got.reason in ("queue", BALANCED) and got.service_s == 0.0
+
+
+def test_a_node_that_held_less_of_it_or_dearer_or_did_not_answer_leaves_it_to_locate() -> None:
+    assert FirstTurns({"a": (5, 30.0), "b": (3, 40.0)}).alice() is None  # b held 3 of its 5 blocks
+    assert FirstTurns({"a": (5, 30.0), "b": (5, 45.0)}).alice() is None  # b's copy on disk: dearer
+    assert FirstTurns({"a": (5, 30.0)}).alice() is None  # b did not answer in time
+
+
+def test_a_recorded_tie_stands_for_its_ttl_only() -> None:
+    assert FirstTurns({"a": (5, 30.0), "b": (5, 30.0)}).alice(later=TTL_S - 0.1) is not None  # control
+    assert FirstTurns({"a": (5, 30.0), "b": (5, 30.0)}).alice(later=TTL_S + 0.1) is None
+
+
+def test_no_public_tie_where_the_prompt_is_held_or_sent_under_its_salt() -> None:
+    t = FirstTurns({"a": (5, 30.0), "b": (5, 30.0)})
+    tokens = [*DOC, *range(4000, 4000 + 2 * BT), 7]
+    t.w.rule.sent(B, t.w.cached.digests(tokens, SALT, BT))  # alice's turn went to b before (and failed)
+    assert t.alice() is None
+    # Control: the same prompt from another user, of which nothing is anywhere under her salt.
+    assert t.alice(salt="acme:carol") is not None
+
+
+def test_without_public_prefixes_first_turns_ask_locate() -> None:
+    t = FirstTurns({"a": (5, 30.0), "b": (5, 30.0)})
+    t.w.rule.public = None
+    assert t.alice() is None
