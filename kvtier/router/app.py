@@ -292,8 +292,8 @@ class Router:
         up, now = self._watch.up_engines(), time.monotonic()
         choice = self.held_rule.decide(up, digests, now)
         if choice is None and self.held_rule.public:  # a first turn: a public prefix every node holds?
-            choice = self.held_rule.public_tie(up, digests, self._public_digests(prompt, digests, self._block_tokens),
-                                               now)
+            choice = self.held_rule.public_tie(
+                up, digests, lambda: self._public_digests(prompt, digests, self._block_tokens), now)
         if choice is not None:
             self.metrics.locate_skipped.inc()
         return choice

@@ -41,7 +41,7 @@ anywhere beyond, ``public_tie`` decides it without ``Locate`` as ``Locate`` woul
 tied, the queue and the load decide (route ``queue`` or ``balanced``).
 
 Protocol: ``decide(up, digests, now)`` (then, for a prompt no engine holds any of,
-``public_tie(up, digests, public_digests, now)``) before ``Locate`` -> ``located(digests, answers,
+``public_tie(up, digests, public_of, now)``) before ``Locate`` -> ``located(digests, answers,
 public_digests, now)`` after one
 (or, when no node answered within the request's budget, ``unlocated(up, digests, now)``: the
 engines priced by what they hold themselves) -> per attempt, ``sent(engine, digests)``; for a
@@ -53,7 +53,7 @@ token ids ``sent_unknown(engine)``. Event-loop only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.router.choice import Candidate, Choice, Chooser
 from kvtier.router.engine_cache import EngineCacheView
@@ -129,14 +129,16 @@ class HeldRule:
             floors.append(Candidate(e.name, q.wait_s, price + extra_s, q.load))
         return self.chooser.held(holders, floors, now, self.demand.rate(digests, r, now))
 
-    def public_tie(self, up: Sequence[EngineSpec], digests: Sequence[bytes], public_digests: Sequence[bytes],
-                   now: float) -> Choice | None:
+    def public_tie(self, up: Sequence[EngineSpec], digests: Sequence[bytes],
+                   public_of: Callable[[], Sequence[bytes]], now: float) -> Choice | None:
         """The choice without ``Locate`` for a prompt no engine holds any of (module docstring),
-        or None: ask it. ``public_digests``: the prompt's blocks digested without its salt."""
+        or None: ask it. ``public_of()``: the prompt's blocks digested without its salt (asked
+        for only once the cheaper conditions hold)."""
         if not self.public or not up or any(e.node in self.untracked for e in up):
             return None
         if any(self.cached.resident(e.name, digests) for e in up) or not self._anywhere.none_seen(digests):
             return None  # something of this prompt under its salt is somewhere: decide() or Locate
+        public_digests = public_of()
         blocks, nodes = self.public.tied(public_digests, now)
         if not blocks or any(e.node not in nodes for e in up) or not self._anywhere.none_seen(public_digests[blocks:]):
             return None

@@ -202,7 +202,7 @@ class FirstTurns:
     def alice(self, later: float = 1.0, salt: str = SALT):
         w = self.w
         tokens = [*DOC, *range(4000, 4000 + 2 * BT), 7]
-        return w.rule.public_tie([A, B], w.cached.digests(tokens, salt, BT), w.cached.digests(tokens, "", BT),
+        return w.rule.public_tie([A, B], w.cached.digests(tokens, salt, BT), lambda: w.cached.digests(tokens, "", BT),
                                  w.now + later)
 
 
