@@ -145,6 +145,10 @@ class Edge:
     def __post_init__(self) -> None:
         assert self.edge_s >= 0 and self.edge_rel >= 0
 
+    def margin(self, best_s: float) -> float:
+        """How far above ``best_s`` (seconds) a prediction still ties with it."""
+        return max(self.edge_s, self.edge_rel * best_s)
+
 
 @dataclass(slots=True, frozen=True)
 class Choice:
@@ -222,7 +226,7 @@ class Chooser:
 
         costs = [cost(c) for c in candidates]
         best = min(costs)
-        margin = max(self.edge.edge_s, self.edge.edge_rel * best)
+        margin = self.edge.margin(best)
         if floors is not None and any(cost(f) <= best + margin for f in floors):
             return None
         tied = [c for c, k in zip(candidates, costs, strict=True) if k <= best + margin]
@@ -284,7 +288,7 @@ class Chooser:
         if tail is None:
             return None
         # Cheaper by more than the edge: a price within it is no cache worth waiting for.
-        cut = choice.service_s - max(self.edge.edge_s, self.edge.edge_rel * choice.service_s)
+        cut = choice.service_s - self.edge.margin(choice.service_s)
         within = [c for c in candidates if c.predicted_s <= tail and c.service_s < cut]
         if not within:
             return None

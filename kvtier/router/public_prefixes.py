@@ -60,7 +60,7 @@ class PublicPrefixes:
                 by_count.setdefault(a.public_blocks, []).append((node, a))
         for blocks, held in by_count.items():
             best = min(a.ttft_ms for _, a in held)
-            margin = max(self.edge.edge_s * 1e3, self.edge.edge_rel * best)
+            margin = self.edge.margin(best / 1e3) * 1e3  # the chooser's edge, in ms
             # Nodes whose answers counted fewer public blocks are not tied at this prefix: only
             # those of this count, priced within the edge of the best of them.
             tied = frozenset(node for node, a in held if a.ttft_ms <= best + margin)
